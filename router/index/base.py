@@ -1,0 +1,70 @@
+"""The residency index: which pods hold which block keys in which tier.
+
+Writers (the indexer, fed by engine KV events) tag every entry with the pod's
+*incarnation*: one engine process lifetime, as seen by its event stream. A new
+incarnation makes every older entry of that pod invisible at once, so residency
+of a dead or restarted engine is never used even before garbage collection.
+
+Readers (the router) ask one question per request: for each candidate pod, how
+many leading blocks of this prompt does it hold, per tier. Counts are
+cumulative over tiers: ``prefix[Tier.DRAM]`` is the longest prefix held in HBM
+*or* DRAM, so it never decreases along ``TIER_ORDER``.
+"""
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from kvplane.router.tiers import Tier
+
+# pod -> tier -> number of leading blocks resident in that tier or a faster one
+PrefixMatches = dict[str, dict[Tier, int]]
+
+
+class ResidencyIndex(Protocol):
+    async def begin_incarnation(self, pod: str, incarnation: str) -> None:
+        """A new event stream for ``pod``: everything older stops counting."""
+
+    async def drop_pod(self, pod: str) -> None:
+        """``pod`` is gone: none of its entries count any more."""
+
+    async def store(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
+        """Blocks confirmed resident (BlockStored). Ignored for a stale incarnation."""
+
+    async def remove(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
+        """Blocks evicted from one tier (BlockRemoved)."""
+
+    async def clear(self, pod: str, incarnation: str, tier: Tier) -> None:
+        """Every block of one tier gone (AllBlocksCleared clears HBM only)."""
+
+    async def mark_tentative(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
+        """The router just sent these blocks to ``pod``: count them in HBM for
+        ``ttl_s`` seconds unless an event confirms them first."""
+
+    async def lookup(self, keys: Sequence[int], pods: Sequence[str]) -> PrefixMatches:
+        """Longest resident prefix of ``keys`` per pod and tier, in one round trip."""
+
+    async def incarnations(self) -> Mapping[str, str]:
+        """Current incarnation of every pod the index knows."""
+
+    async def ping(self) -> None:
+        """Raise if the index is unreachable."""
+
+    async def close(self) -> None: ...
+
+
+def cumulative(present_by_block: Sequence[set[Tier]], tiers: Sequence[Tier]) -> dict[Tier, int]:
+    """Reference semantics of one pod's match: leading blocks held per tier or faster.
+
+    Backends must agree with this (the contract tests compare against it).
+    """
+    out: dict[Tier, int] = {}
+    allowed: set[Tier] = set()
+    for tier in tiers:
+        allowed.add(tier)
+        n = 0
+        for held in present_by_block:
+            if not held & allowed:
+                break
+            n += 1
+        out[tier] = n
+    return out
