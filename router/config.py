@@ -1,0 +1,114 @@
+"""Router configuration: one YAML/JSON file, validated by pydantic.
+
+Every number the cost model uses lives here, so that an operator (or the
+kvplane operator's ConfigMap) can calibrate a fleet without a code change.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvplane.router.generation import generation_tag
+from kvplane.router.tiers import Tier
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Policy(StrEnum):
+    COST = "cost"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    STICKY = "sticky"
+
+
+class ModelSpec(_Strict):
+    name: str = Field(description="served model name clients send as `model`")
+    tokenizer: str = Field(description="local directory with tokenizer.json / tokenizer_config.json")
+    revision: str = "main"
+    block_size: Annotated[int, Field(gt=0)] = 16
+    max_model_len: Annotated[int, Field(gt=0)] = 8192
+    chat_template: str | None = Field(
+        default=None, description="overrides the tokenizer's template, as vLLM's --chat-template"
+    )
+    kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072
+
+    @property
+    def generation(self) -> str:
+        return generation_tag(self.name, self.revision, self.tokenizer, self.block_size)
+
+
+class Backend(_Strict):
+    name: str
+    url: str
+    kv_events: str | None = Field(default=None, description="engine ZMQ PUB endpoint")
+    replay: str | None = Field(default=None, description="engine ZMQ ROUTER replay endpoint")
+    topic: str = ""
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class TierCost(_Strict):
+    bandwidth_gbps: Annotated[float, Field(gt=0)] = Field(description="GB/s into HBM")
+    latency_ms: Annotated[float, Field(ge=0)] = 0.0
+
+
+def _default_tiers() -> dict[Tier, TierCost]:
+    return {
+        Tier.DRAM: TierCost(bandwidth_gbps=50.0, latency_ms=0.05),
+        Tier.NVME: TierCost(bandwidth_gbps=6.0, latency_ms=0.1),
+        Tier.REMOTE: TierCost(bandwidth_gbps=25.0, latency_ms=1.0),
+    }
+
+
+class CostParams(_Strict):
+    prefill_tokens_per_s: Annotated[float, Field(gt=0)] = 30000.0
+    decode_step_ms: Annotated[float, Field(ge=0)] = 6.0
+    running_step_ms_per_request: Annotated[float, Field(ge=0)] = 0.05
+    kv_pressure_threshold: Annotated[float, Field(ge=0, le=1)] = 0.9
+    kv_pressure_penalty_ms: Annotated[float, Field(ge=0)] = 200.0
+    tiers: dict[Tier, TierCost] = Field(default_factory=_default_tiers)
+    load_cap: Annotated[float, Field(ge=1)] = Field(
+        default=2.0,
+        description="a pod with more than load_cap x the mean in-flight requests (+ slack) is "
+        "skipped, so a universally shared prefix cannot herd all traffic onto one pod",
+    )
+    load_cap_slack: Annotated[int, Field(ge=0)] = 4
+    tentative_ttl_s: Annotated[float, Field(gt=0)] = 10.0
+    sticky_blocks: Annotated[int, Field(gt=0)] = 4
+
+
+class IndexSpec(_Strict):
+    backend: str = Field(default="memory", pattern="^(memory|redis)$")
+    url: str = "redis://127.0.0.1:6379/0"
+    lookup_timeout_ms: Annotated[float, Field(gt=0)] = 50.0
+
+
+class RouterConfig(_Strict):
+    model: ModelSpec
+    backends: list[Backend] = Field(default_factory=list)
+    policy: Policy = Policy.COST
+    cost: CostParams = Field(default_factory=CostParams)
+    index: IndexSpec = Field(default_factory=IndexSpec)
+    scrape_interval_s: Annotated[float, Field(gt=0)] = 1.0
+    connect_timeout_s: Annotated[float, Field(gt=0)] = 2.0
+    read_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    max_attempts: Annotated[int, Field(ge=1)] = 3
+    pool: str = "default"
+
+    @model_validator(mode="after")
+    def _unique_backends(self) -> RouterConfig:
+        names = [b.name for b in self.backends]
+        if len(names) != len(set(names)):
+            raise ValueError(f"backend names must be unique: {names}")
+        return self
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    data: Any = yaml.safe_load(Path(path).read_text())
+    return RouterConfig.model_validate(data)
