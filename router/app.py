@@ -1,0 +1,347 @@
+"""The HTTP surface: OpenAI-compatible routes, health, metrics and explain.
+
+Handlers stay thin: parse (request.py), route (pipeline.py), forward (proxy.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import JSONResponse, Response
+
+from kvplane.router.config import Backend, RouterConfig
+from kvplane.router.discovery import Discovery, StaticDiscovery
+from kvplane.router.errors import APIError
+from kvplane.router.generation import generation_tag
+from kvplane.router.index.base import ResidencyIndex
+from kvplane.router.index.memory import MemoryIndex
+from kvplane.router.index.redis import RedisIndex
+from kvplane.router.pipeline import IndexGuard, Routed, RoutingPipeline
+from kvplane.router.pool import Pool, Scraper
+from kvplane.router.proxy import Proxy, forward_headers
+from kvplane.router.request import ParsedRequest, parse_request
+from kvplane.router.telemetry import RouterMetrics
+from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
+
+log = logging.getLogger("kvplane.router")
+
+
+def pool_generation(config: RouterConfig) -> str:
+    m = config.model
+    return generation_tag(m.name, m.revision, tokenizer_fingerprint(m.tokenizer), m.block_size)
+
+
+def make_index(config: RouterConfig, generation: str) -> ResidencyIndex:
+    if config.index.backend == "redis":
+        return RedisIndex(config.index.url, generation, config.index.lookup_timeout_ms / 1000)
+    return MemoryIndex()
+
+
+@dataclass
+class Router:
+    """Everything a request handler needs, built once per process."""
+
+    config: RouterConfig
+    generation: str
+    tokenizer: PromptTokenizer
+    index: ResidencyIndex
+    pool: Pool
+    metrics: RouterMetrics
+    pipeline: RoutingPipeline
+    proxy: Proxy
+    client: httpx.AsyncClient
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    on_backends: list[Any] = field(default_factory=list)  # callbacks(added, removed)
+
+
+def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> Router:
+    generation = pool_generation(config)
+    metrics = RouterMetrics(config.pool, config.model.name)
+    tokenizer = PromptTokenizer(config.model.tokenizer, config.model.chat_template)
+    index = index or make_index(config, generation)
+    pool = Pool()
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
+    client = httpx.AsyncClient(limits=limits, timeout=timeout)
+    guard = IndexGuard(index, config.index.lookup_timeout_ms / 1000, metrics)
+    pipeline = RoutingPipeline(config, tokenizer, guard, pool, metrics, generation)
+    proxy = Proxy(client, pool, metrics, config.max_attempts)
+    return Router(config, generation, tokenizer, index, pool, metrics, pipeline, proxy, client)
+
+
+async def _follow_discovery(router: Router, discovery: Discovery) -> None:
+    async for backends in discovery.watch():
+        _apply_backends(router, backends)
+
+
+def _apply_backends(router: Router, backends: list[Backend]) -> None:
+    added, removed = router.pool.set_backends(backends)
+    for cb in router.on_backends:
+        cb(added, removed)
+    for name in removed:
+        with contextlib.suppress(KeyError):
+            router.metrics.backend_healthy.remove(*router.metrics.labels.values(), name)
+
+
+def _headers(routed: Routed, request_id: str, pod: str, attempts: int) -> dict[str, str]:
+    d = routed.decision
+    out = {
+        "x-request-id": request_id,
+        "x-kvplane-pod": pod,
+        "x-kvplane-reason": d.reason if pod == d.pod else f"retry_after_{d.pod}",
+        "x-kvplane-attempts": str(attempts),
+        "x-kvplane-prompt-tokens": str(len(routed.tokens)),
+    }
+    terms = d.terms.get(pod)
+    if terms is not None:
+        out["x-kvplane-predicted-ttft-ms"] = f"{terms.ttft_ms:.2f}"
+        out["x-kvplane-predicted-cached-tokens"] = str(terms.cached_tokens)
+    return out
+
+
+def create_app(
+    config: RouterConfig,
+    discovery: Discovery | None = None,
+    index: ResidencyIndex | None = None,
+    embedded_indexer: bool | None = None,
+) -> FastAPI:
+    """The router app. ``embedded_indexer`` (default: when the index is in memory)
+    runs KV event ingestion in this process."""
+    router = build_router(config, index)
+    discovery = discovery or StaticDiscovery(config.backends)
+    embed = config.index.backend == "memory" if embedded_indexer is None else embedded_indexer
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        scraper = Scraper(router.pool, router.client, config.scrape_interval_s)
+        indexer = None
+        if embed:
+            from kvplane.router.kvevents.service import Indexer
+
+            indexer = Indexer(router.index, config.model.block_size, router.generation)
+            router.on_backends.append(
+                lambda added, removed: indexer.set_backends(list(router.pool.states.values()))
+            )
+        watch = asyncio.create_task(_follow_discovery(router, discovery), name="discovery")
+        router.tasks.append(watch)
+        for _ in range(100):  # the first backend set, before serving
+            if router.pool.states or watch.done():
+                break
+            await asyncio.sleep(0.01)
+        if indexer is not None:
+            await indexer.start()
+        await scraper.scrape_once()
+        scraper.start()
+        try:
+            yield
+        finally:
+            await scraper.stop()
+            if indexer is not None:
+                await indexer.stop()
+            for task in router.tasks:
+                task.cancel()
+            await router.client.aclose()
+            await router.index.close()
+            router.tokenizer.close()
+
+    app = FastAPI(title="kvplane router", lifespan=lifespan)
+    app.state.router = router
+    labels = router.metrics.labels
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return exc.response()
+
+    async def handle(request: Request, kind: str, path: str) -> Response:
+        received = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or f"kvp-{uuid.uuid4().hex}"
+        status = "error"
+        try:
+            req = parse_request(await request.body(), kind)
+            _check_model(config, req)
+            routed = await router.pipeline.route(req)
+            response = await _forward(router, request, req, routed, request_id, path, received)
+            status = str(response.status_code)
+            return response
+        except APIError as exc:
+            status = str(exc.status)
+            return exc.response({"x-request-id": request_id})
+        finally:
+            router.metrics.requests.labels(**labels, route=kind, status=status).inc()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "completions", "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle(request, "chat", "/v1/chat/completions")
+
+    @app.post("/kvplane/explain")
+    async def explain(request: Request) -> Response:
+        """Each candidate's cost terms for a request body, without sending it."""
+        try:
+            raw = await request.body()
+            kind = "chat" if b'"messages"' in raw else "completions"
+            req = parse_request(raw, kind)
+            _check_model(config, req)
+            routed = await router.pipeline.route(req)
+        except APIError as exc:
+            return exc.response()
+        return JSONResponse(_explain_body(router, routed))
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(await _models(router))
+
+    @app.get("/health")
+    async def health() -> Response:
+        healthy = router.pool.healthy()
+        if not healthy:
+            return APIError(503, "no healthy backend").response()
+        return JSONResponse({"status": "ok", "healthy_backends": len(healthy)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        for name, st in router.pool.states.items():
+            router.metrics.backend_healthy.labels(**labels, pod=name).set(int(st.healthy))
+            router.metrics.inflight.labels(**labels, pod=name).set(st.inflight)
+        return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _check_model(config: RouterConfig, req: ParsedRequest) -> None:
+    if req.model != config.model.name:
+        raise APIError(
+            404,
+            f"The model `{req.model}` does not exist. This router serves `{config.model.name}`.",
+            param="model",
+            code="model_not_found",
+        )
+
+
+async def _forward(
+    router: Router,
+    request: Request,
+    req: ParsedRequest,
+    routed: Routed,
+    request_id: str,
+    path: str,
+    received: float,
+) -> Response:
+    m = router.metrics
+    d = routed.decision
+    m.decisions.labels(**m.labels, reason=d.reason, pod=d.pod).inc()
+    m.prompt_tokens.labels(**m.labels).inc(len(routed.tokens))
+    router.pool.observe_prompt(len(routed.tokens))
+    uncached = {
+        p: len(routed.tokens) - t.cached_tokens for p, t in d.terms.items()
+    } or dict.fromkeys(d.ranked, len(routed.tokens))
+    predicted = d.terms[d.pod].cached_tokens if d.pod in d.terms else None
+
+    def on_reported(cached: int) -> None:
+        m.reported_cached.labels(**m.labels).inc(cached)
+        if predicted is not None:
+            m.predicted_cached.labels(**m.labels).inc(predicted)
+
+    def headers_for(pod: str, attempts: int) -> dict[str, str]:
+        if routed.keys:  # the pod will hold these blocks until its events say otherwise
+            task = asyncio.create_task(
+                router.index.mark_tentative(pod, routed.keys, router.config.cost.tentative_ttl_s)
+            )
+            task.add_done_callback(_log_task_error)
+        return _headers(routed, request_id, pod, attempts)
+
+    m.added.labels(**m.labels).observe(time.perf_counter() - received)
+    return await router.proxy.send(
+        path,
+        await request.body(),
+        forward_headers(dict(request.headers), request_id),
+        d.ranked,
+        uncached,
+        req.stream,
+        headers_for,
+        on_reported,
+    )
+
+
+def _log_task_error(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("tentative mark failed: %s", task.exception())
+
+
+def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
+    d = routed.decision
+    candidates = []
+    for pod in d.ranked:
+        st = router.pool.states[pod]
+        t = d.terms.get(pod)
+        entry: dict[str, Any] = {
+            "pod": pod,
+            "load": {
+                "inflight": st.inflight,
+                "pending_prefill_tokens": st.pending_tokens,
+                "engine_waiting": st.stats.waiting,
+                "engine_running": st.stats.running,
+                "kv_usage": st.stats.kv_usage,
+            },
+        }
+        if routed.matches is not None:
+            entry["resident_blocks"] = {k.value: v for k, v in routed.matches.get(pod, {}).items()}
+        if t is not None:
+            entry.update(
+                queue_ms=t.queue_ms,
+                transfer_ms=t.transfer_ms,
+                recompute_ms=t.recompute_ms,
+                ttft_ms=t.ttft_ms,
+                cached_tokens=t.cached_tokens,
+                loaded_tokens={k.value: v for k, v in t.loaded_from.items()},
+            )
+        candidates.append(entry)
+    return {
+        "pod": d.pod,
+        "reason": d.reason,
+        "policy": router.config.policy.value,
+        "prompt_tokens": len(routed.tokens),
+        "blocks": len(routed.keys),
+        "block_size": router.config.model.block_size,
+        "generation": router.generation,
+        "candidates": candidates,
+    }
+
+
+async def _models(router: Router) -> dict[str, Any]:
+    """Union of the backends' /v1/models (by id), falling back to the configured model."""
+
+    async def one(url: str) -> list[dict[str, Any]]:
+        try:
+            r = await router.client.get(url.rstrip("/") + "/v1/models", timeout=2.0)
+            data = r.json().get("data", []) if r.status_code == 200 else []
+            return [d for d in data if isinstance(d, dict) and "id" in d]
+        except (httpx.HTTPError, ValueError):
+            return []
+
+    urls = [s.backend.url for s in router.pool.states.values() if s.healthy]
+    seen: dict[str, dict[str, Any]] = {}
+    for data in await asyncio.gather(*(one(u) for u in urls)):
+        for d in data:
+            seen.setdefault(d["id"], d)
+    if not seen:
+        seen[router.config.model.name] = {
+            "id": router.config.model.name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "kvplane",
+        }
+    return {"object": "list", "data": list(seen.values())}

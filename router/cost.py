@@ -1,0 +1,112 @@
+"""Predicted time to first token of a prompt on one pod: the whole cost model.
+
+    ttft = queue + transfer + recompute
+
+- queue: prefill work already waiting on the pod (tokens the router has sent
+  and not yet seen a first token for, plus requests the engine reports waiting
+  beyond those), at the pod's prefill throughput; plus decode interference
+  from running requests; plus a penalty when the KV cache is nearly full
+  (preemptions ahead).
+- transfer: blocks held only in a slower tier are loaded (tier latency + bytes
+  over tier bandwidth).
+- recompute: every token not resident (or not worth loading) is prefilled.
+
+A connector can only load a contiguous prefix, so the choice is one cut: load
+tiers up to some boundary, recompute everything after it. Every cut is costed
+and the cheapest kept, which is "recompute when transfer is slower".
+Pure functions only: the router, the explain endpoint and the discrete-event
+simulator share them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvplane.router.config import CostParams
+from kvplane.router.tiers import TIER_ORDER, Tier
+
+
+@dataclass(frozen=True, slots=True)
+class PodLoad:
+    """What is known of a pod's load right now."""
+
+    pending_prefill_tokens: int = 0  # router-tracked, sent and awaiting first token
+    pending_requests: int = 0  # router-tracked count of the above
+    inflight: int = 0  # router-tracked requests not finished
+    engine_waiting: float = 0.0  # vllm:num_requests_waiting (scraped)
+    engine_running: float = 0.0  # vllm:num_requests_running (scraped)
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (scraped)
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    pod: str
+    queue_ms: float
+    transfer_ms: float
+    recompute_ms: float
+    cached_tokens: int  # tokens reused: resident in HBM or loaded from a slower tier
+    loaded_from: dict[Tier, int] = field(default_factory=dict)  # tokens loaded per tier
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.queue_ms + self.transfer_ms + self.recompute_ms
+
+
+def queue_ms(load: PodLoad, params: CostParams, mean_request_tokens: float) -> float:
+    unseen_waiting = max(0.0, load.engine_waiting - load.pending_requests)
+    pending = load.pending_prefill_tokens + unseen_waiting * mean_request_tokens
+    running = max(load.engine_running, float(load.inflight - load.pending_requests))
+    wait = pending / params.prefill_tokens_per_s * 1000.0
+    wait += running * params.running_step_ms_per_request
+    if load.kv_usage >= params.kv_pressure_threshold:
+        wait += params.kv_pressure_penalty_ms
+    return wait
+
+
+def transfer_ms(tokens: int, tier: Tier, params: CostParams, kv_bytes_per_token: int) -> float:
+    if tokens <= 0:
+        return 0.0
+    t = params.tiers.get(tier)
+    if t is None:  # a tier without a configured path cannot be loaded from
+        return float("inf")
+    return t.latency_ms + tokens * kv_bytes_per_token / (t.bandwidth_gbps * 1e9) * 1000.0
+
+
+def predict(
+    pod: str,
+    prompt_tokens: int,
+    match: dict[Tier, int],
+    load: PodLoad,
+    params: CostParams,
+    block_size: int,
+    kv_bytes_per_token: int,
+    mean_request_tokens: float,
+) -> CostTerms:
+    """Cost terms of serving ``prompt_tokens`` on ``pod`` given its resident prefix."""
+    # The engine always computes the last prompt token, so at most n-1 are reusable.
+    reusable = max(0, prompt_tokens - 1)
+    per_token_ms = 1000.0 / params.prefill_tokens_per_s
+    resident = min(match.get(Tier.HBM, 0) * block_size, reusable)
+
+    best_transfer, best_covered, best_loaded = 0.0, resident, {}
+    best_total = (prompt_tokens - resident) * per_token_ms
+    covered, transfer, loaded = resident, 0.0, {}
+    for tier in TIER_ORDER[1:]:
+        upto = min(match.get(tier, 0) * block_size, reusable)
+        extra = upto - covered
+        if extra <= 0:
+            continue
+        transfer += transfer_ms(extra, tier, params, kv_bytes_per_token)
+        covered = upto
+        loaded = {**loaded, tier: extra}
+        total = transfer + (prompt_tokens - covered) * per_token_ms
+        if total < best_total:
+            best_total, best_transfer, best_covered, best_loaded = total, transfer, covered, loaded
+    return CostTerms(
+        pod=pod,
+        queue_ms=queue_ms(load, params, mean_request_tokens),
+        transfer_ms=best_transfer,
+        recompute_ms=(prompt_tokens - best_covered) * per_token_ms,
+        cached_tokens=best_covered,
+        loaded_from=best_loaded,
+    )

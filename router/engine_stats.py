@@ -1,0 +1,54 @@
+"""Engine /metrics text -> the few load figures the cost model reads.
+
+vLLM 0.33 names (labels ``model_name``, ``engine`` per DP rank; summed here):
+``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
+``vllm:kv_cache_usage_perc`` (0..1, the max over ranks), and the prefix cache
+counters. SGLang's equivalents are read too, so one router serves both.
+A hand parser: the router scrapes every pod every second and only needs a
+handful of unlabelled-ish gauges, not a full exposition model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_SUM = {
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:num_requests_running": "running",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "sglang:num_queue_reqs": "waiting",
+    "sglang:num_running_reqs": "running",
+}
+_MAX = {"vllm:kv_cache_usage_perc": "kv_usage", "sglang:token_usage": "kv_usage"}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0
+    prefix_hits: float = 0.0
+    prefix_queries: float = 0.0
+
+
+def parse_metrics(text: str) -> EngineStats:
+    acc: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        brace = line.find("{")
+        space = line.rfind(" ")
+        name = line[: brace if brace != -1 else line.find(" ")]
+        if name in _SUM or name in _MAX:
+            try:
+                value = float(line[space + 1 :])
+            except ValueError:
+                continue
+            if name in _SUM:
+                field = _SUM[name]
+                acc[field] = acc.get(field, 0.0) + value
+            else:
+                field = _MAX[name]
+                acc[field] = max(acc.get(field, 0.0), value)
+    return EngineStats(**acc)

@@ -1,0 +1,164 @@
+"""The routing pipeline: request -> tokens -> block keys -> index lookup -> cost -> choice.
+
+Everything but the index lookup is CPU work on local data; the lookup is one
+round trip, guarded so that a slow or dead index degrades routing to sticky
+hashing instead of failing or stalling requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from kvplane.router.blockkeys import block_keys, generation_root
+from kvplane.router.choice import (
+    Decision,
+    Reason,
+    RoundRobin,
+    choose_baseline,
+    choose_by_cost,
+    sticky_anchor,
+    sticky_order,
+)
+from kvplane.router.config import Policy, RouterConfig
+from kvplane.router.errors import APIError
+from kvplane.router.index.base import PrefixMatches, ResidencyIndex
+from kvplane.router.pool import Pool
+from kvplane.router.request import ParsedRequest
+from kvplane.router.telemetry import RouterMetrics
+from kvplane.router.tokens import ChatFormatError, PromptTokenizer
+
+log = logging.getLogger("kvplane.router")
+
+
+class IndexGuard:
+    """Timeout plus circuit breaker around index lookups.
+
+    After a failure the index is skipped for a back-off that doubles up to 5 s,
+    so an unreachable Redis costs one timeout per back-off, not one per request.
+    """
+
+    def __init__(self, index: ResidencyIndex, timeout_s: float, metrics: RouterMetrics) -> None:
+        self.index = index
+        self._timeout = timeout_s
+        self._metrics = metrics
+        self._open_until = 0.0
+        self._backoff = 0.25
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._open_until
+
+    async def lookup(self, keys: list[int], pods: list[str]) -> PrefixMatches | None:
+        if not self.available:
+            return None
+        start = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(self.index.lookup(keys, pods), self._timeout)
+        except Exception as exc:  # timeout, connection refused, script error
+            self._metrics.index_errors.labels(**self._metrics.labels).inc()
+            self._open_until = time.monotonic() + self._backoff
+            log.warning("index lookup failed (%s); sticky routing for %.2fs", exc, self._backoff)
+            self._backoff = min(self._backoff * 2, 5.0)
+            return None
+        self._metrics.index_lookup.labels(**self._metrics.labels).observe(
+            time.perf_counter() - start
+        )
+        self._backoff = 0.25
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    tokens: list[int]
+    keys: list[int]
+    decision: Decision
+    matches: PrefixMatches | None
+
+
+class RoutingPipeline:
+    def __init__(
+        self,
+        config: RouterConfig,
+        tokenizer: PromptTokenizer,
+        guard: IndexGuard,
+        pool: Pool,
+        metrics: RouterMetrics,
+        generation: str,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.guard = guard
+        self.pool = pool
+        self.metrics = metrics
+        self.root = generation_root(generation)
+        self._rr = RoundRobin()
+
+    def _tokenize(self, req: ParsedRequest) -> list[int]:
+        if req.kind == "chat":
+            assert req.messages is not None and req.chat is not None
+            return self.tokenizer.encode_chat(req.messages, req.chat)
+        return self.tokenizer.encode_prompt(req.prompt, req.add_special_tokens)
+
+    def _tokens_and_keys(self, req: ParsedRequest) -> tuple[list[int], list[int]]:
+        tokens = self._tokenize(req)
+        return tokens, block_keys(tokens, self.config.model.block_size, self.root)
+
+    async def tokens_and_keys(self, req: ParsedRequest) -> tuple[list[int], list[int]]:
+        start = time.perf_counter()
+        try:
+            tokens, keys = await self.tokenizer.run(self._tokens_and_keys, req)
+        except ChatFormatError as exc:
+            raise APIError(400, str(exc), param="messages" if req.kind == "chat" else "prompt")
+        self.metrics.tokenize.labels(**self.metrics.labels).observe(time.perf_counter() - start)
+        limit = self.config.model.max_model_len
+        if len(tokens) > limit or len(tokens) + (req.max_tokens or 0) > limit:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(tokens) + (req.max_tokens or 0)} tokens ({len(tokens)} in the messages, "
+                f"{req.max_tokens or 0} in the completion). Please reduce the length of the "
+                "messages or completion.",
+                param="messages" if req.kind == "chat" else "prompt",
+            )
+        return tokens, keys
+
+    async def route(self, req: ParsedRequest, exclude: frozenset[str] = frozenset()) -> Routed:
+        tokens, keys = await self.tokens_and_keys(req)
+        return await self.decide(tokens, keys, exclude)
+
+    async def decide(
+        self, tokens: list[int], keys: list[int], exclude: frozenset[str] = frozenset()
+    ) -> Routed:
+        pods = [p for p in self.pool.healthy() if p not in exclude]
+        if not pods:
+            raise APIError(
+                503,
+                "no healthy backend for model "
+                f"'{self.config.model.name}' ({len(self.pool.states)} configured, none healthy)",
+            )
+        loads = {p: self.pool.states[p].load() for p in pods}
+        cost = self.config.cost
+        anchor = sticky_anchor(keys, tokens, cost.sticky_blocks)
+        policy = self.config.policy
+        matches: PrefixMatches | None = None
+        if policy is not Policy.COST:
+            decision = choose_baseline(policy, pods, loads, anchor, self._rr)
+        else:
+            matches = await self.guard.lookup(keys, pods)
+            if matches is None:
+                ranked = sticky_order(anchor, pods)
+                decision = Decision(ranked[0], Reason.INDEX_DOWN, ranked, {})
+            else:
+                decision = choose_by_cost(
+                    len(tokens),
+                    matches,
+                    loads,
+                    cost,
+                    self.config.model.block_size,
+                    self.config.model.kv_bytes_per_token,
+                    self.pool.mean_request_tokens,
+                )
+        return Routed(tokens, keys, decision, matches)

@@ -1,0 +1,130 @@
+"""Live state of the backends: health, scraped engine load, router-tracked load.
+
+The router's own in-flight accounting is exact and instant; the scraped
+figures lag by a scrape interval but see traffic from other router replicas.
+The cost model reads both (see ``cost.queue_ms``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvplane.router.config import Backend
+from kvplane.router.cost import PodLoad
+from kvplane.router.engine_stats import EngineStats, parse_metrics
+
+log = logging.getLogger("kvplane.router.pool")
+
+
+@dataclass
+class BackendState:
+    backend: Backend
+    healthy: bool = True
+    stats: EngineStats = field(default_factory=EngineStats)
+    pending_tokens: int = 0
+    pending_requests: int = 0
+    inflight: int = 0
+    unhealthy_since: float | None = None
+
+    def load(self) -> PodLoad:
+        return PodLoad(
+            pending_prefill_tokens=self.pending_tokens,
+            pending_requests=self.pending_requests,
+            inflight=self.inflight,
+            engine_waiting=self.stats.waiting,
+            engine_running=self.stats.running,
+            kv_usage=self.stats.kv_usage,
+        )
+
+
+class Pool:
+    """Backends by name. Mutated only on the event loop."""
+
+    def __init__(self) -> None:
+        self.states: dict[str, BackendState] = {}
+        self.mean_request_tokens = 1024.0
+
+    def set_backends(self, backends: Sequence[Backend]) -> tuple[list[str], list[str]]:
+        """Replace the backend set; returns (added, removed) names."""
+        new = {b.name: b for b in backends}
+        removed = [n for n in self.states if n not in new]
+        added = [n for n in new if n not in self.states]
+        for n in removed:
+            del self.states[n]
+        for n, b in new.items():
+            if n in self.states:
+                self.states[n].backend = b
+            else:
+                self.states[n] = BackendState(b)
+        return added, removed
+
+    def healthy(self) -> list[str]:
+        return [n for n, s in self.states.items() if s.healthy]
+
+    def mark_unhealthy(self, name: str) -> None:
+        state = self.states.get(name)
+        if state is not None and state.healthy:
+            log.warning("backend %s marked unhealthy", name)
+            state.healthy = False
+            state.unhealthy_since = time.monotonic()
+
+    def observe_prompt(self, tokens: int) -> None:
+        self.mean_request_tokens += 0.05 * (tokens - self.mean_request_tokens)
+
+
+class Scraper:
+    """Polls every backend's /health and /metrics on an interval."""
+
+    def __init__(self, pool: Pool, client: httpx.AsyncClient, interval_s: float) -> None:
+        self._pool = pool
+        self._client = client
+        self._interval = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def scrape_once(self) -> None:
+        names = list(self._pool.states)
+        await asyncio.gather(*(self._scrape(n) for n in names))
+
+    async def _scrape(self, name: str) -> None:
+        state = self._pool.states.get(name)
+        if state is None:
+            return
+        url = state.backend.url.rstrip("/")
+        timeout = max(0.5, self._interval)
+        try:
+            health = await self._client.get(f"{url}/health", timeout=timeout)
+            ok = health.status_code == 200
+            metrics = await self._client.get(f"{url}/metrics", timeout=timeout) if ok else None
+        except httpx.HTTPError:
+            ok, metrics = False, None
+        if ok and metrics is not None and metrics.status_code == 200:
+            state.stats = parse_metrics(metrics.text)
+        if ok and not state.healthy:
+            log.info("backend %s healthy again", name)
+            state.healthy, state.unhealthy_since = True, None
+        elif not ok:
+            self._pool.mark_unhealthy(name)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.scrape_once()
+            except Exception:  # never let the loop die on one bad scrape
+                log.exception("scrape failed")
+            await asyncio.sleep(self._interval)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvplane-scraper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

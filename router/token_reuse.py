@@ -1,0 +1,163 @@
+"""Exact reuse of token ids across prompts that share a text prefix.
+
+Byte-level BPE never merges across pre-tokenizer segments, so the ids of a text
+prefix that ends on a segment boundary are the ids of the whole text up to that
+boundary. A prompt that repeats a long prefix of an earlier one (multi-turn
+chat, RAG over the same documents) therefore only needs its new tail encoded.
+
+The cache keys a prompt by chained xxh3 hashes of its text in fixed-size
+character chunks. For each chunk end ``L`` it stores a *cut*: a segment
+boundary ``b`` well before ``L`` together with the number of ids before it. The
+cut is only valid when the segmentation up to ``b`` cannot depend on text past
+``L``: the segment that starts at ``b`` must end, with one character of regex
+lookahead and room for the longest added (special) token, before ``L``. A new
+prompt that agrees with the cached one on ``[0, L)`` then has the same ids up to
+``b`` and the same boundary at ``b``.
+
+Only tokenizers where this argument holds use the cache: no normalizer, a
+pre-tokenizer made of regex splits and ByteLevel, and no Metaspace (which would
+prepend a marker to a tail encoded on its own). ``tests/test_token_reuse.py``
+checks exactness against full encoding over adversarial prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import xxhash
+
+CHUNK_CHARS = 1024
+
+
+class _Encoding(Protocol):
+    @property
+    def ids(self) -> list[int]: ...
+
+    def char_to_token(self, pos: int) -> int | None: ...
+
+    def token_to_word(self, token: int) -> int | None: ...
+
+    def word_to_tokens(self, word: int) -> tuple[int, int] | None: ...
+
+    def word_to_chars(self, word: int) -> tuple[int, int] | None: ...
+
+
+def reuse_is_exact(backend_json: str) -> bool:
+    """Whether the tokenizer's pipeline satisfies the segment-independence argument."""
+    spec: dict[str, Any] = json.loads(backend_json)
+    norm = spec.get("normalizer")
+    if norm is not None and not (norm.get("type") == "Sequence" and not norm.get("normalizers")):
+        return False
+    if (spec.get("model") or {}).get("type") != "BPE":
+        return False
+    pre = spec.get("pre_tokenizer") or {}
+    parts = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    kinds = {p.get("type") for p in parts}
+    if "ByteLevel" not in kinds or not kinds <= {"Split", "ByteLevel", "Digits", "Punctuation"}:
+        return False
+    for p in parts:
+        if p.get("type") == "ByteLevel" and p.get("add_prefix_space"):
+            return False
+        if p.get("type") == "Split" and p.get("behavior") not in ("Isolated", "Removed"):
+            return False
+    return True
+
+
+@dataclass(slots=True)
+class _Entry:
+    ids: array[int]  # ids of the whole cached prompt; cuts share it
+    n_ids: int  # ids before the cut
+    cut: int  # character offset of the cut
+
+
+def chunk_hashes(text: str, chunk: int = CHUNK_CHARS) -> list[int]:
+    """Chained hash of ``text[:k*chunk]`` for every full chunk ``k >= 1``."""
+    h = xxhash.xxh3_64()
+    out: list[int] = []
+    for start in range(0, len(text) - chunk + 1, chunk):
+        h.update(text[start : start + chunk].encode("utf-8", "surrogatepass"))
+        out.append(h.intdigest())
+    return out
+
+
+class PrefixTokenCache:
+    """LRU of cuts into recently encoded prompts, bounded by cached token count."""
+
+    def __init__(self, max_tokens: int, max_added_token_chars: int, chunk: int = CHUNK_CHARS):
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._prompts: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
+        self._max_tokens = max_tokens
+        self._tokens = 0
+        self._margin = max_added_token_chars + 2
+        self._chunk = chunk
+        self.hits = 0
+        self.misses = 0
+
+    def find(self, hashes: list[int]) -> _Entry | None:
+        """The cut of the longest cached chunk-prefix of a prompt, if any."""
+        for h in reversed(hashes):
+            entry = self._entries.get(h)
+            if entry is not None:
+                self._entries.move_to_end(h)
+                self.hits += 1
+                return entry
+        self.misses += 1
+        return None
+
+    def add(self, hashes: list[int], encoding: _Encoding, ids: array[int], text_len: int) -> None:
+        """Record cuts for every chunk of a freshly encoded prompt."""
+        if not hashes or hashes[-1] in self._entries:
+            return
+        keys: list[int] = []
+        for k, h in enumerate(hashes, start=1):
+            if h in self._entries:
+                continue
+            limit = k * self._chunk - self._margin
+            cut = _cut_before(encoding, limit, text_len)
+            if cut is None:
+                continue
+            n_ids, offset = cut
+            self._entries[h] = _Entry(ids, n_ids, offset)
+            keys.append(h)
+        if not keys:
+            return
+        self._prompts[keys[-1]] = (len(ids), keys)
+        self._tokens += len(ids)
+        while self._tokens > self._max_tokens and self._prompts:
+            _, (n, old_keys) = self._prompts.popitem(last=False)
+            self._tokens -= n
+            for old in old_keys:
+                self._entries.pop(old, None)
+
+
+def _cut_before(encoding: _Encoding, limit: int, text_len: int) -> tuple[int, int] | None:
+    """(ids before, char offset) of a segment boundary whose next segment ends before
+    ``limit``; None when no such boundary is near (e.g. one huge segment)."""
+    if limit <= 0 or limit > text_len:
+        return None
+    pos = limit
+    for _ in range(8):
+        token = encoding.char_to_token(pos)
+        if token is None:  # a character that produced no token of its own
+            pos -= 1
+            if pos <= 0:
+                return None
+            continue
+        word = encoding.token_to_word(token)
+        if word is None:
+            return None
+        span = encoding.word_to_tokens(word)
+        chars = encoding.word_to_chars(word)
+        if span is None or chars is None:
+            return None
+        start_char, end_char = chars
+        if end_char < limit:
+            return span[0], start_char
+        pos = start_char - 1
+        if pos <= 0:
+            return None
+    return None

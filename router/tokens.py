@@ -1,0 +1,189 @@
+"""Request -> token ids, exactly as the engine computes them.
+
+vLLM encodes a completion prompt with the HF fast tokenizer
+(``add_special_tokens=True`` by default) and a chat request by rendering the
+chat template to text (``add_generation_prompt=True``) and encoding that with
+``add_special_tokens=False``. Residency keys are only as good as this match,
+so ``tests/test_tokenize_vs_vllm.py`` compares with a real engine's
+``/tokenize``.
+
+Encoding is CPU-bound; callers run it off the event loop (see ``encode_async``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from array import array
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kvplane.router.token_reuse import PrefixTokenCache, chunk_hashes, reuse_is_exact
+
+
+class ChatFormatError(ValueError):
+    """The messages cannot be rendered (bad roles or content parts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChatOptions:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def _text_of(content: Any) -> str:
+    """vLLM's "string" content format: text parts joined with newlines."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") in ("text", "input_text"):
+                texts.append(str(part.get("text", "")))
+            else:
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ChatFormatError(f"unsupported message content part: {kind!r}")
+        return "\n".join(texts)
+    raise ChatFormatError("message content must be a string or a list of parts")
+
+
+def normalise_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatFormatError("'messages' must be a non-empty list")
+    out: list[dict[str, Any]] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ChatFormatError(f"messages[{i}] must be an object with a string 'role'")
+        norm = dict(msg)
+        norm["content"] = _text_of(msg.get("content"))
+        out.append(norm)
+    return out
+
+
+class PromptTokenizer:
+    """The engine's tokenizer and chat template, with exact prefix reuse."""
+
+    def __init__(
+        self,
+        path: str | Path,
+        chat_template: str | None = None,
+        reuse_max_tokens: int = 4_000_000,
+        threads: int = 2,
+    ) -> None:
+        self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
+        self._rust = self.hf._tokenizer
+        self._chat_template = chat_template
+        added = [t.content for t in self._rust.get_added_tokens_decoder().values()]
+        max_added = max((len(t) for t in added), default=0)
+        self.reuse_enabled = reuse_max_tokens > 0 and reuse_is_exact(self._rust.to_str())
+        self._cache = PrefixTokenCache(reuse_max_tokens, max_added)
+        self._specials = self._special_affixes()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
+
+    def _special_affixes(self) -> tuple[list[int], list[int]] | None:
+        """Ids the post-processor adds around a text (BOS etc.), if separable."""
+        bare = self._rust.encode("a", add_special_tokens=False).ids
+        full = self._rust.encode("a", add_special_tokens=True).ids
+        for i in range(len(full) - len(bare) + 1):
+            if full[i : i + len(bare)] == bare:
+                return full[:i], full[i + len(bare) :]
+        return None
+
+    @property
+    def reuse_stats(self) -> tuple[int, int]:
+        return self._cache.hits, self._cache.misses
+
+    # -- encoding ---------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; equal to a full encode, cheaper on a shared prefix."""
+        if not self.reuse_enabled or (add_special_tokens and self._specials is None):
+            return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
+        body = self._encode_body(text)
+        if add_special_tokens and self._specials is not None:
+            head, tail = self._specials
+            return [*head, *body, *tail]
+        return body
+
+    def _encode_body(self, text: str) -> list[int]:
+        hashes = chunk_hashes(text)
+        entry = self._cache.find(hashes) if hashes else None
+        if entry is not None:
+            tail = self._rust.encode(text[entry.cut :], add_special_tokens=False).ids
+            return [*entry.ids[: entry.n_ids], *tail]
+        enc = self._rust.encode(text, add_special_tokens=False)
+        ids = enc.ids
+        if hashes:
+            self._cache.add(hashes, enc, array("I", ids), len(text))
+        return list(ids)
+
+    def render_chat(self, messages: Sequence[Any], opts: ChatOptions) -> str:
+        msgs = normalise_messages(messages)
+        kwargs: dict[str, Any] = dict(opts.chat_template_kwargs)
+        template = opts.chat_template or self._chat_template
+        try:
+            rendered = self.hf.apply_chat_template(
+                msgs,
+                tools=opts.tools,
+                documents=opts.documents,
+                chat_template=template,
+                add_generation_prompt=opts.add_generation_prompt,
+                continue_final_message=opts.continue_final_message,
+                tokenize=False,
+                **kwargs,
+            )
+        except ChatFormatError:
+            raise
+        except Exception as exc:  # jinja errors, raise_exception() in templates
+            raise ChatFormatError(f"chat template failed: {exc}") from exc
+        if not isinstance(rendered, str):
+            raise ChatFormatError("chat template did not render to text")
+        return rendered
+
+    def encode_chat(self, messages: Sequence[Any], opts: ChatOptions) -> list[int]:
+        return self.encode(self.render_chat(messages, opts), opts.add_special_tokens)
+
+    def encode_prompt(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """A completion ``prompt``: text, token ids, or a batch (routed by its first item)."""
+        if isinstance(prompt, str):
+            return self.encode(prompt, add_special_tokens)
+        if isinstance(prompt, list) and prompt:
+            first = prompt[0]
+            if isinstance(first, int) and all(isinstance(t, int) for t in prompt):
+                return [int(t) for t in prompt]
+            if isinstance(first, str):
+                return self.encode(first, add_special_tokens)
+            if isinstance(first, list) and all(isinstance(t, int) for t in first):
+                return [int(t) for t in first]
+        raise ChatFormatError("'prompt' must be a string, a list of strings or token ids")
+
+    async def run(self, fn: Any, *args: Any) -> Any:
+        """Run an encode off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def tokenizer_fingerprint(path: str | Path) -> str:
+    """What identifies a tokenizer for the generation tag: its vocab and template files."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        p = Path(path) / name
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()[:12]
