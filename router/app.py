@@ -26,6 +26,7 @@ from kvplane.router.generation import generation_tag
 from kvplane.router.index.base import ResidencyIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
+from kvplane.router.kvevents.service import Indexer
 from kvplane.router.pipeline import IndexGuard, Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
 from kvplane.router.proxy import Proxy, forward_headers
@@ -61,7 +62,7 @@ class Router:
     proxy: Proxy
     client: httpx.AsyncClient
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
-    on_backends: list[Any] = field(default_factory=list)  # callbacks(added, removed)
+    indexer: Indexer | None = None  # embedded KV event ingestion, if any
 
 
 def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> Router:
@@ -81,13 +82,13 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
 
 async def _follow_discovery(router: Router, discovery: Discovery) -> None:
     async for backends in discovery.watch():
-        _apply_backends(router, backends)
+        await _apply_backends(router, backends)
 
 
-def _apply_backends(router: Router, backends: list[Backend]) -> None:
-    added, removed = router.pool.set_backends(backends)
-    for cb in router.on_backends:
-        cb(added, removed)
+async def _apply_backends(router: Router, backends: list[Backend]) -> None:
+    _, removed = router.pool.set_backends(backends)
+    if router.indexer is not None:
+        await router.indexer.set_backends(backends)
     for name in removed:
         with contextlib.suppress(KeyError):
             router.metrics.backend_healthy.remove(*router.metrics.labels.values(), name)
@@ -124,30 +125,25 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scraper = Scraper(router.pool, router.client, config.scrape_interval_s)
-        indexer = None
         if embed:
-            from kvplane.router.kvevents.service import Indexer
-
-            indexer = Indexer(router.index, config.model.block_size, router.generation)
-            router.on_backends.append(
-                lambda added, removed: indexer.set_backends(list(router.pool.states.values()))
+            router.indexer = Indexer(
+                router.index, generation=router.generation, block_size=config.model.block_size
             )
+            await router.indexer.start()
         watch = asyncio.create_task(_follow_discovery(router, discovery), name="discovery")
         router.tasks.append(watch)
         for _ in range(100):  # the first backend set, before serving
             if router.pool.states or watch.done():
                 break
             await asyncio.sleep(0.01)
-        if indexer is not None:
-            await indexer.start()
         await scraper.scrape_once()
         scraper.start()
         try:
             yield
         finally:
             await scraper.stop()
-            if indexer is not None:
-                await indexer.stop()
+            if router.indexer is not None:
+                await router.indexer.stop()
             for task in router.tasks:
                 task.cancel()
             await router.client.aclose()

@@ -1,0 +1,120 @@
+"""The ``kvplane`` command: router, indexer, demo and benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+Handler = Callable[[argparse.Namespace], int]
+
+
+def _router(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvplane.router.config import load_config
+
+    config = load_config(args.config)  # fail fast, with a readable error, before forking
+    if args.workers > 1 and config.index.backend == "memory":
+        print(
+            "kvplane router: --workers > 1 needs a shared index (index.backend: redis); "
+            "the in-memory index lives in one process",
+            file=sys.stderr,
+        )
+        return 2
+    os.environ["KVPLANE_ROUTER_CONFIG"] = str(args.config)
+    if args.embedded_indexer:
+        os.environ["KVPLANE_EMBEDDED_INDEXER"] = "1"
+    uvicorn.run(
+        "kvplane.router.server:app_from_env",
+        factory=True,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_keep_alive=30,
+    )
+    return 0
+
+
+def _indexer(args: argparse.Namespace) -> int:
+    from kvplane.router.indexer_main import run_indexer
+
+    return asyncio.run(run_indexer(args.config, args.metrics_port))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from kvplane.demo import run_demo
+
+    return run_demo(args)
+
+
+def _bench_overhead(args: argparse.Namespace) -> int:
+    from kvplane.bench import overhead
+
+    overhead.run(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvplane",
+        description="Cache-aware routing over a cluster-wide KV cache for vLLM and SGLang.",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("router", help="serve the OpenAI-compatible cache-aware router")
+    r.add_argument("--config", required=True, help="router config (YAML), see docs/router.md")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--workers", type=int, default=1, help="processes (needs the Redis index)")
+    r.add_argument(
+        "--embedded-indexer",
+        action="store_true",
+        help="also ingest KV events in this process (the default with the in-memory index)",
+    )
+    r.set_defaults(handler=_router)
+
+    i = sub.add_parser("indexer", help="ingest engine KV events into the Redis residency index")
+    i.add_argument("--config", required=True, help="router config (YAML): backends and index")
+    i.add_argument("--metrics-port", type=int, default=9090, help="0 disables /metrics")
+    i.set_defaults(handler=_indexer)
+
+    d = sub.add_parser(
+        "demo",
+        help="start local vLLM engines, the indexer and the router; compare with round-robin",
+    )
+    d.add_argument("--once", action="store_true", help="exit after the comparison table")
+    d.add_argument("--engines", type=int, default=2)
+    d.add_argument("--port", type=int, default=8000, help="router port left serving")
+    d.add_argument("--groups", type=int, default=4, help="shared-prefix groups")
+    d.add_argument("--per-group", type=int, default=4, help="requests per group")
+    d.add_argument("--prefix-tokens", type=int, default=1536)
+    d.set_defaults(handler=_demo)
+
+    b = sub.add_parser("bench", help="benchmarks (print figures, write bench/results)")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    o = bsub.add_parser("overhead", help="router-added latency and max req/s vs vllm-router")
+    from kvplane.bench.overhead import add_arguments
+
+    add_arguments(o)
+    o.set_defaults(handler=_bench_overhead)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    handler: Handler = args.handler
+    return handler(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

