@@ -44,7 +44,8 @@ def _router(args: argparse.Namespace) -> int:
 def _indexer(args: argparse.Namespace) -> int:
     from kvplane.router.indexer_main import run_indexer
 
-    return asyncio.run(run_indexer(args.config, args.metrics_port))
+    code: int = asyncio.run(run_indexer(args.config, args.metrics_port))
+    return code
 
 
 def _demo(args: argparse.Namespace) -> int:

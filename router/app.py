@@ -16,9 +16,6 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.responses import JSONResponse, Response
-
 from kvplane.router.config import Backend, RouterConfig
 from kvplane.router.discovery import Discovery, StaticDiscovery
 from kvplane.router.errors import APIError
@@ -33,6 +30,8 @@ from kvplane.router.proxy import Proxy, forward_headers
 from kvplane.router.request import ParsedRequest, parse_request
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import JSONResponse, Response
 
 log = logging.getLogger("kvplane.router")
 

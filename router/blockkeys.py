@@ -6,8 +6,8 @@ generation's root. Equal prefixes give equal keys on every replica, and two
 generations never share a key because their roots differ.
 """
 
-from collections.abc import Sequence
 from array import array
+from collections.abc import Sequence
 
 import xxhash
 

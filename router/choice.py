@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import xxhash
-
 from kvplane.router.config import CostParams, Policy
 from kvplane.router.cost import CostTerms, PodLoad, predict
 from kvplane.router.tiers import Tier

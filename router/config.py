@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from kvplane.router.generation import generation_tag
 from kvplane.router.tiers import Tier
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -30,7 +28,7 @@ class Policy(StrEnum):
 
 class ModelSpec(_Strict):
     name: str = Field(description="served model name clients send as `model`")
-    tokenizer: str = Field(description="local directory with tokenizer.json / tokenizer_config.json")
+    tokenizer: str = Field(description="local directory with the tokenizer files")
     revision: str = "main"
     block_size: Annotated[int, Field(gt=0)] = 16
     max_model_len: Annotated[int, Field(gt=0)] = 8192
@@ -38,10 +36,6 @@ class ModelSpec(_Strict):
         default=None, description="overrides the tokenizer's template, as vLLM's --chat-template"
     )
     kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072
-
-    @property
-    def generation(self) -> str:
-        return generation_tag(self.name, self.revision, self.tokenizer, self.block_size)
 
 
 class Backend(_Strict):

@@ -88,9 +88,11 @@ def predict(
     per_token_ms = 1000.0 / params.prefill_tokens_per_s
     resident = min(match.get(Tier.HBM, 0) * block_size, reusable)
 
-    best_transfer, best_covered, best_loaded = 0.0, resident, {}
+    best_loaded: dict[Tier, int] = {}
+    best_transfer, best_covered = 0.0, resident
     best_total = (prompt_tokens - resident) * per_token_ms
-    covered, transfer, loaded = resident, 0.0, {}
+    loaded: dict[Tier, int] = {}
+    covered, transfer = resident, 0.0
     for tier in TIER_ORDER[1:]:
         upto = min(match.get(tier, 0) * block_size, reusable)
         extra = upto - covered

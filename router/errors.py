@@ -6,20 +6,34 @@ import json
 
 from starlette.responses import JSONResponse
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-          503: "service_unavailable", 502: "bad_gateway"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable",
+    502: "bad_gateway",
+}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
     def body(self) -> dict[str, object]:
-        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.code or self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPES.get(self.status, "error"),
+                "param": self.param,
+                "code": self.code or self.status,
+            }
+        }
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=headers)

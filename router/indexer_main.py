@@ -9,37 +9,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Iterator
 from pathlib import Path
-
-from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from kvplane.router.app import make_index, pool_generation
 from kvplane.router.config import load_config
 from kvplane.router.kvevents.service import Indexer
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 log = logging.getLogger("kvplane.indexer")
 
 
-def _export(indexer: Indexer, registry: CollectorRegistry) -> None:
-    """Mirror the ingest counters into gauges (they are monotonic ints upstream)."""
-    gauge = Gauge(
-        "kvplane_indexer_events", "KV events ingested, by outcome", ("outcome",), registry=registry
-    )
+class IndexerCollector(Collector):
+    """Exports the ingest and per-stream counters at scrape time."""
 
-    def collect() -> None:
-        stats = indexer.ingest_stats
+    def __init__(self, indexer: Indexer) -> None:
+        self._indexer = indexer
+
+    def collect(self) -> Iterator[Metric]:
+        events = CounterMetricFamily(
+            "kvplane_indexer_events", "KV events ingested, by outcome", labels=["outcome"]
+        )
+        stats = self._indexer.ingest_stats
         for name in stats.__slots__:
-            gauge.labels(outcome=name).set(getattr(stats, name))
-
-    gauge.collect = _wrap(gauge.collect, collect)  # type: ignore[method-assign]
-
-
-def _wrap(inner, before):  # type: ignore[no-untyped-def]
-    def run():  # type: ignore[no-untyped-def]
-        before()
-        return inner()
-
-    return run
+            events.add_metric([name], float(getattr(stats, name)))
+        yield events
 
 
 async def run_indexer(config_path: str | Path, metrics_port: int) -> int:
@@ -53,7 +49,7 @@ async def run_indexer(config_path: str | Path, metrics_port: int) -> int:
     )
     if metrics_port:
         registry = CollectorRegistry()
-        _export(indexer, registry)
+        registry.register(IndexerCollector(indexer))
         start_http_server(metrics_port, registry=registry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -111,7 +111,8 @@ class RoutingPipeline:
         try:
             tokens, keys = await self.tokenizer.run(self._tokens_and_keys, req)
         except ChatFormatError as exc:
-            raise APIError(400, str(exc), param="messages" if req.kind == "chat" else "prompt")
+            param = "messages" if req.kind == "chat" else "prompt"
+            raise APIError(400, str(exc), param=param) from exc
         self.metrics.tokenize.labels(**self.metrics.labels).observe(time.perf_counter() - start)
         limit = self.config.model.max_model_len
         if len(tokens) > limit or len(tokens) + (req.max_tokens or 0) > limit:

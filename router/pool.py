@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
-
 from kvplane.router.config import Backend
 from kvplane.router.cost import PodLoad
 from kvplane.router.engine_stats import EngineStats, parse_metrics

@@ -16,16 +16,26 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import httpx
-from starlette.responses import Response, StreamingResponse
-
 from kvplane.router.errors import APIError, sse_error
 from kvplane.router.pool import BackendState, Pool
 from kvplane.router.telemetry import RouterMetrics
+from starlette.responses import Response, StreamingResponse
 
 log = logging.getLogger("kvplane.router.proxy")
 
-_HOP = {"host", "content-length", "connection", "keep-alive", "transfer-encoding", "upgrade",
-        "te", "trailer", "proxy-authorization", "proxy-connection", "accept-encoding"}
+_HOP = {
+    "host",
+    "content-length",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-authorization",
+    "proxy-connection",
+    "accept-encoding",
+}
 _PASS_BACK = {"content-type", "x-request-id"}
 
 

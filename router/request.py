@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-
 from kvplane.router.errors import APIError
 from kvplane.router.tokens import ChatOptions
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 from fastapi import FastAPI
-
 from kvplane.router.app import create_app
 from kvplane.router.config import load_config
 

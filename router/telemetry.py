@@ -23,7 +23,9 @@ class RouterMetrics:
             "kvplane_router_decisions", "Routing decisions", (*lbl, "reason", "pod"), registry=r
         )
         self.requests = Counter(
-            "kvplane_router_requests", "Requests by final status", (*lbl, "route", "status"),
+            "kvplane_router_requests",
+            "Requests by final status",
+            (*lbl, "route", "status"),
             registry=r,
         )
         self.retries = Counter(
@@ -31,39 +33,57 @@ class RouterMetrics:
         )
         self.predicted_cached = Counter(
             "kvplane_router_predicted_cached_tokens",
-            "Prompt tokens the router predicted the chosen pod holds", lbl, registry=r,
+            "Prompt tokens the router predicted the chosen pod holds",
+            lbl,
+            registry=r,
         )
         self.reported_cached = Counter(
             "kvplane_router_reported_cached_tokens",
-            "Prompt tokens the engine reported cached (usage.prompt_tokens_details)", lbl,
+            "Prompt tokens the engine reported cached (usage.prompt_tokens_details)",
+            lbl,
             registry=r,
         )
         self.prompt_tokens = Counter(
             "kvplane_router_prompt_tokens", "Prompt tokens routed", lbl, registry=r
         )
         self.index_lookup = Histogram(
-            "kvplane_router_index_lookup_seconds", "Residency index lookup", lbl,
-            buckets=_FAST, registry=r,
+            "kvplane_router_index_lookup_seconds",
+            "Residency index lookup",
+            lbl,
+            buckets=_FAST,
+            registry=r,
         )
         self.index_errors = Counter(
-            "kvplane_router_index_errors", "Index lookups that failed or timed out", lbl,
+            "kvplane_router_index_errors",
+            "Index lookups that failed or timed out",
+            lbl,
             registry=r,
         )
         self.tokenize = Histogram(
-            "kvplane_router_tokenize_seconds", "Tokenization (and chat template)", lbl,
-            buckets=_FAST, registry=r,
+            "kvplane_router_tokenize_seconds",
+            "Tokenization (and chat template)",
+            lbl,
+            buckets=_FAST,
+            registry=r,
         )
         self.added = Histogram(
             "kvplane_router_added_latency_seconds",
-            "Time from request receipt to the backend request being sent", lbl,
-            buckets=_FAST, registry=r,
+            "Time from request receipt to the backend request being sent",
+            lbl,
+            buckets=_FAST,
+            registry=r,
         )
         self.backend_ttft = Histogram(
-            "kvplane_router_backend_ttft_seconds", "Backend time to first byte", (*lbl, "pod"),
-            buckets=_TTFT, registry=r,
+            "kvplane_router_backend_ttft_seconds",
+            "Backend time to first byte",
+            (*lbl, "pod"),
+            buckets=_TTFT,
+            registry=r,
         )
         self.backend_healthy = Gauge(
-            "kvplane_router_backend_healthy", "1 if the backend is routable", (*lbl, "pod"),
+            "kvplane_router_backend_healthy",
+            "1 if the backend is routable",
+            (*lbl, "pod"),
             registry=r,
         )
         self.inflight = Gauge(

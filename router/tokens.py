@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
 from kvplane.router.token_reuse import PrefixTokenCache, chunk_hashes, reuse_is_exact
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
 class ChatFormatError(ValueError):
@@ -35,7 +35,7 @@ class ChatOptions:
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     documents: list[dict[str, Any]] | None = None
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
@@ -84,7 +84,7 @@ class PromptTokenizer:
         threads: int = 2,
     ) -> None:
         self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
-        self._rust = self.hf._tokenizer
+        self._rust: Tokenizer = self.hf.backend_tokenizer
         self._chat_template = chat_template
         added = [t.content for t in self._rust.get_added_tokens_decoder().values()]
         max_added = max((len(t) for t in added), default=0)

@@ -24,10 +24,16 @@ stamp="$VENV/.deps-$(cat "$ROOT/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "bootstrap: installing kvplane and its dependencies into $VENV" >&2
   "$VENV/bin/pip" install -q -U pip setuptools wheel
-  "$VENV/bin/pip" install -q -e "$ROOT[dev,operator]" --config-settings editable_mode=strict
+  "$VENV/bin/pip" install -q -e "$ROOT[dev,operator]" --config-settings editable_mode=strict \
+    2> >(grep -v -e BuildBackendWarning -e '^ *!!' -e '^ *\*\*\*' >&2)
   rm -f "$VENV"/.deps-*
   touch "$stamp"
 else
-  "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" \
-    --config-settings editable_mode=strict
+  # refresh the link tree for new modules; pip is chatty about strict mode
+  log=$(mktemp)
+  if ! "$VENV/bin/pip" install -q --no-deps --no-build-isolation -e "$ROOT" \
+      --config-settings editable_mode=strict >"$log" 2>&1; then
+    cat "$log" >&2; rm -f "$log"; exit 1
+  fi
+  rm -f "$log"
 fi

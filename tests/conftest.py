@@ -1,11 +1,10 @@
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterator
 
 import pytest
 from support.redis_server import RedisServer, running_redis
-
-import importlib.util
 
 # TODO(lead): unconditional once support/vllm_fixtures.py lands
 pytest_plugins = (

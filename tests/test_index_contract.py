@@ -6,12 +6,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from support.redis_server import RedisServer
-
 from kvplane.router.index.base import ResidencyIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.tiers import Tier
+from support.redis_server import RedisServer
 
 H, D, N, R = Tier.HBM, Tier.DRAM, Tier.NVME, Tier.REMOTE
 KEYS = [101, 102, 103, 104, 105]
@@ -119,6 +118,6 @@ async def test_long_prompt_lookup(index: ResidencyIndex) -> None:
     await index.begin_incarnation("a", "1")
     await index.store("a", "1", keys[:1500], H)
     await index.store("a", "1", keys[1500:1800], N)
-    got = (await index.lookup(keys, ["a", "b"]))
+    got = await index.lookup(keys, ["a", "b"])
     assert got["a"] == _m(1500, 1500, 1800, 1800)
     assert got["b"] == _m(0, 0, 0, 0)

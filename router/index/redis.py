@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
-
 from kvplane.router.index.base import PrefixMatches
 from kvplane.router.tiers import TIER_ORDER, Tier
 
@@ -127,12 +126,16 @@ return {redis.call('SCARD', KEYS[1]), kept}
 """
 
 
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
 class RedisIndex:
     """ResidencyIndex on Redis (redis-py asyncio, hiredis parser when installed)."""
 
     def __init__(self, url: str, generation: str, timeout_s: float = 0.5) -> None:
-        self._r = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s
+        self._r: aioredis.Redis = aioredis.Redis.from_url(
+            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
         )
         base = f"kvp:{{{generation}}}"
         self._inc = f"{base}:inc"
@@ -151,13 +154,13 @@ class RedisIndex:
     async def begin_incarnation(self, pod: str, incarnation: str) -> None:
         old = await self._r.hget(self._inc, pod)
         await self._r.hset(self._inc, pod, incarnation)
-        await self._collect(pod, old.decode() if old else None)
+        await self._collect(pod, _text(old))
         await self._collect(pod, _TENTATIVE_INC)
 
     async def drop_pod(self, pod: str) -> None:
         old = await self._r.hget(self._inc, pod)
         await self._r.hdel(self._inc, pod)
-        await self._collect(pod, old.decode() if old else None)
+        await self._collect(pod, _text(old))
         await self._collect(pod, _TENTATIVE_INC)
 
     async def _collect(self, pod: str, incarnation: str | None, tier: Tier | None = None) -> None:
@@ -193,7 +196,7 @@ class RedisIndex:
 
     async def clear(self, pod: str, incarnation: str, tier: Tier) -> None:
         current = await self._r.hget(self._inc, pod)
-        if current is not None and current.decode() == incarnation:
+        if current is not None and _text(current) == incarnation:
             await self._collect(pod, incarnation, tier)
 
     async def mark_tentative(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
@@ -216,7 +219,7 @@ class RedisIndex:
 
     async def incarnations(self) -> Mapping[str, str]:
         raw = await self._r.hgetall(self._inc)
-        return {k.decode(): v.decode() for k, v in raw.items()}
+        return {_text(k) or "": _text(v) or "" for k, v in raw.items()}
 
     async def ping(self) -> None:
         await self._r.ping()

@@ -10,18 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from support.redis_server import free_port
+from kvplane.local.serve import serve_in_thread
 
 
 @dataclass
@@ -69,9 +67,7 @@ class FakeEngine:
             )
 
         async def models(_: Request) -> Response:
-            return JSONResponse(
-                {"object": "list", "data": [{"id": self.model, "object": "model"}]}
-            )
+            return JSONResponse({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
         async def health(_: Request) -> Response:
             return Response(status_code=200)
@@ -96,8 +92,11 @@ class FakeEngine:
     async def _stream(self, chat: bool) -> AsyncIterator[bytes]:
         for i in range(3):
             delta = {"delta": {"content": f"t{i}"}} if chat else {"text": f"t{i}"}
-            chunk = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else
-                     "text_completion", "choices": [{"index": 0, **delta}]}
+            chunk = {
+                "id": "cmpl-1",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "choices": [{"index": 0, **delta}],
+            }
             yield f"data: {json.dumps(chunk)}\n\n".encode()
             await asyncio.sleep(0.01)
             if self.mode == "break_stream":
@@ -107,27 +106,8 @@ class FakeEngine:
 
 @contextlib.contextmanager
 def serve_engines(*engines: FakeEngine) -> Iterator[list[FakeEngine]]:
-    """Serve every engine on its own port from one background thread."""
-    servers: list[uvicorn.Server] = []
-    for eng in engines:
-        eng.port = eng.port or free_port()
-        config = uvicorn.Config(eng.app(), host="127.0.0.1", port=eng.port, log_level="error")
-        servers.append(uvicorn.Server(config))
-    loop = asyncio.new_event_loop()
-
-    async def run_all() -> None:
-        await asyncio.gather(*(s.serve() for s in servers))
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(run_all(),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not all(s.started for s in servers):
-        if time.monotonic() > deadline:
-            raise RuntimeError("fake engines did not start")
-        time.sleep(0.02)
-    try:
+    """Serve every engine on its own port, each from a background thread."""
+    with contextlib.ExitStack() as stack:
+        for eng in engines:
+            eng.port = stack.enter_context(serve_in_thread(eng.app(), eng.port or None))
         yield list(engines)
-    finally:
-        for s in servers:
-            s.should_exit = True
-        thread.join(10)

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import shutil
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import uvicorn
 from fastapi import FastAPI
-
 from kvplane.router.app import Router, create_app
 from kvplane.router.config import RouterConfig
 
-from support.redis_server import free_port
+from kvplane.local.serve import serve_in_thread
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -54,22 +49,9 @@ class RunningRouter:
 
 
 @contextlib.contextmanager
-def serve_router(config: RouterConfig, **kwargs: object) -> Iterator[RunningRouter]:
-    app = create_app(config, **kwargs)  # type: ignore[arg-type]
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    )
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(server.serve(),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("router did not start")
-        time.sleep(0.02)
-    try:
+def serve_router(
+    config: RouterConfig, embedded_indexer: bool | None = None
+) -> Iterator[RunningRouter]:
+    app = create_app(config, embedded_indexer=embedded_indexer)
+    with serve_in_thread(app) as port:
         yield RunningRouter(app, port)
-    finally:
-        server.should_exit = True
-        thread.join(15)

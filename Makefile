@@ -1,0 +1,37 @@
+# The two commands a new machine needs (see README.md):
+#   make demo   start local vLLM engines, indexer and router; compare with round-robin
+#   make test   ruff, mypy and the whole pytest suite (real Redis, real vLLM engines)
+SHELL := /bin/bash
+CACHE ?= $(HOME)/.cache/kvplane
+VENV := $(CACHE)/venv
+ROOT := $(abspath .)
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-vllm demo test lint typecheck unit bench-overhead
+
+setup:
+	@bash scripts/bootstrap.sh
+
+setup-vllm: setup
+	@bash scripts/setup-vllm.sh
+
+demo: setup-vllm
+	$(VENV)/bin/kvplane demo $(DEMO_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+# mypy reads the package through the editable link tree (router/ and operator/ are
+# mapped into kvplane/), from /tmp so the checkout itself is not on its path.
+typecheck: setup
+	cd /tmp && $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml -p kvplane 2>&1 \
+		| sed -E "s#$(ROOT)/build/__editable__[^/]*/kvplane/(router|operator)/#\1/#; s#$(ROOT)/build/__editable__[^/]*/##"; exit $${PIPESTATUS[0]}
+	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
+		$(ROOT)/tests
+
+test: setup-vllm lint typecheck
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+bench-overhead: setup
+	$(VENV)/bin/kvplane bench overhead

@@ -1,0 +1,1 @@
+"""Running kvplane's parts on one machine: local engines, in-thread servers."""
