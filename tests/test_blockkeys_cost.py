@@ -1,0 +1,110 @@
+"""Pure parts of routing: block keys, the cost formula, the policies."""
+
+from __future__ import annotations
+
+import pytest
+from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
+from kvplane.router.choice import Reason, choose_by_cost, over_cap, sticky_order
+from kvplane.router.config import CostParams, TierCost
+from kvplane.router.cost import PodLoad, predict
+from kvplane.router.generation import generation_tag
+from kvplane.router.tiers import Tier
+
+ROOT = generation_root("gen-a")
+
+
+def test_equal_prefixes_give_equal_keys_and_partial_blocks_none() -> None:
+    a = block_keys(list(range(100)), 16, ROOT)
+    b = block_keys([*range(64), 999, *range(65, 90)], 16, ROOT)
+    assert len(a) == 6 and len(b) == 5
+    assert a[:4] == b[:4] and a[4] != b[4]
+
+
+def test_generations_never_share_keys() -> None:
+    toks = list(range(64))
+    assert not set(block_keys(toks, 16, ROOT)) & set(block_keys(toks, 16, generation_root("b")))
+    assert generation_tag("m", "r1", "t", 16) != generation_tag("m", "r2", "t", 16)
+    assert generation_tag("m", "r", "t", 16) != generation_tag("m", "r", "t", 32)
+
+
+def test_chaining_from_a_parent_continues_the_chain() -> None:
+    toks = list(range(96))
+    keys = block_keys(toks, 16, ROOT)
+    assert chain_keys(toks[32:], 16, keys[1]) == keys[2:]
+    assert chain_keys(toks, 16, keys[1], start_block=2) == keys[2:]
+
+
+P = CostParams(prefill_tokens_per_s=10000.0, running_step_ms_per_request=0.0)
+
+
+def match(h: int = 0, d: int = 0, n: int = 0, r: int = 0) -> dict[Tier, int]:
+    return {
+        Tier.HBM: h,
+        Tier.DRAM: max(h, d),
+        Tier.NVME: max(h, d, n),
+        Tier.REMOTE: max(h, d, n, r),
+    }
+
+
+def test_recompute_time_of_missing_tokens() -> None:
+    t = predict("p", 1000, match(), PodLoad(), P, 10, 1000, 512)
+    assert t.recompute_ms == pytest.approx(100.0) and t.cached_tokens == 0
+    t = predict("p", 1000, match(h=50), PodLoad(), P, 10, 1000, 512)
+    assert t.cached_tokens == 500 and t.recompute_ms == pytest.approx(50.0)
+
+
+def test_whole_prompt_resident_still_computes_the_last_token() -> None:
+    t = predict("p", 100, match(h=10), PodLoad(), P, 10, 1000, 512)
+    assert t.cached_tokens == 99 and t.recompute_ms == pytest.approx(0.1)
+
+
+def test_transfer_when_cheaper_recompute_when_not() -> None:
+    fast = P.model_copy(update={"tiers": {Tier.DRAM: TierCost(bandwidth_gbps=100.0)}})
+    t = predict("p", 1000, match(d=100), PodLoad(), fast, 10, 128 * 1024, 512)
+    assert t.loaded_from == {Tier.DRAM: 999} and t.transfer_ms < 2.0
+    slow = P.model_copy(update={"tiers": {Tier.DRAM: TierCost(bandwidth_gbps=0.01)}})
+    t = predict("p", 1000, match(d=100), PodLoad(), slow, 10, 128 * 1024, 512)
+    assert t.loaded_from == {} and t.transfer_ms == 0 and t.recompute_ms == pytest.approx(100.0)
+
+
+def test_an_unconfigured_tier_is_never_loaded() -> None:
+    none = P.model_copy(update={"tiers": {}})
+    t = predict("p", 1000, match(r=100), PodLoad(), none, 10, 1000, 512)
+    assert t.cached_tokens == 0
+
+
+def test_queue_counts_pending_tokens_and_unseen_waiting() -> None:
+    load = PodLoad(pending_prefill_tokens=2000, pending_requests=1, engine_waiting=3)
+    t = predict("p", 10, match(), load, P, 10, 1000, 500)
+    assert t.queue_ms == pytest.approx((2000 + 2 * 500) / 10000 * 1000)
+    hot = predict("p", 10, match(), PodLoad(kv_usage=0.95), P, 10, 1000, 500)
+    assert hot.queue_ms == pytest.approx(P.kv_pressure_penalty_ms)
+
+
+def test_cost_prefers_the_cached_pod_until_its_queue_costs_more() -> None:
+    loads = {"a": PodLoad(), "b": PodLoad()}
+    d = choose_by_cost(2000, {"a": match(h=150), "b": match()}, loads, P, 10, 1000, 512)
+    assert d.pod == "a" and d.reason == Reason.CACHE and d.ranked == ["a", "b"]
+    busy = {
+        "a": PodLoad(pending_prefill_tokens=50_000, pending_requests=3, inflight=3),
+        "b": PodLoad(),
+    }
+    d = choose_by_cost(2000, {"a": match(h=150), "b": match()}, busy, P, 10, 1000, 512)
+    assert d.pod == "b" and d.reason == Reason.LOAD_OVER_CACHE
+
+
+def test_load_cap_stops_a_shared_first_block_from_herding() -> None:
+    loads = {"a": PodLoad(inflight=20), "b": PodLoad(inflight=1), "c": PodLoad(inflight=0)}
+    assert over_cap(loads, P) == {"a"}
+    d = choose_by_cost(200, {"a": match(h=19), "b": match(), "c": match()}, loads, P, 10, 1, 1)
+    assert d.pod != "a" and d.reason == Reason.LOAD_CAP and d.ranked[-1] == "a"
+
+
+def test_sticky_order_is_stable_and_minimally_disrupted() -> None:
+    pods = [f"p{i}" for i in range(5)]
+    firsts = {a: sticky_order(a, pods)[0] for a in range(200)}
+    assert len(set(firsts.values())) == 5
+    fewer = [p for p in pods if p != "p2"]
+    for a, first in firsts.items():
+        if first != "p2":
+            assert sticky_order(a, fewer)[0] == first

