@@ -1,0 +1,269 @@
+"""Applies decoded engine KV events to a ResidencyIndex.
+
+Engines hash blocks with their own algorithm and seed, so their hashes cannot
+be compared with the router's keys. Every BlockStored carries the tokens and
+the parent's engine hash, though, so we re-key: the parent's engine hash maps
+to a router key we already computed (or the generation root for a chain
+start), and ``chain_keys`` over the carried tokens gives the router keys of the
+new blocks. The mapping is kept per pod for its current incarnation only, and
+a mapping is forgotten once its block has left every tier.
+
+Planning (state changes, pure) and writing (index I/O) are separate: a batch
+becomes a short list of coalesced index operations, applied in order.
+"""
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from kvplane.router.blockkeys import chain_keys, generation_root
+from kvplane.router.index.base import ResidencyIndex
+from kvplane.router.kvevents.model import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    KVEvent,
+)
+from kvplane.router.tiers import TIER_ORDER, Tier, tier_of_medium
+
+log = logging.getLogger(__name__)
+
+TIER_BIT: Final[dict[Tier, int]] = {tier: 1 << i for i, tier in enumerate(TIER_ORDER)}
+DEFAULT_MAX_BLOCKS_PER_POD: Final = 1_000_000
+
+OpKind = Literal["store", "remove", "clear"]
+
+
+@dataclass(slots=True)
+class IngestStats:
+    """Monotonic counters over every pod (exported to Prometheus by the caller)."""
+
+    batches: int = 0
+    stored: int = 0  # BlockStored events seen
+    removed: int = 0  # BlockRemoved events seen
+    cleared: int = 0  # AllBlocksCleared events seen
+    unmapped: int = 0  # BlockStored whose parent (or placeholder hash) is unknown
+    removed_unknown: int = 0  # removed hashes we never mapped in that tier
+    block_size_mismatch: int = 0
+    other_group: int = 0  # events of KV-cache groups other than 0 (hybrid models)
+    namespaced: int = 0  # LoRA / extra-key / salted blocks: not keyed by tokens alone
+    malformed: int = 0  # token count != blocks * block_size
+    mapping_full: int = 0  # blocks not indexed because the pod's mapping hit its cap
+    remapped: int = 0  # an engine hash re-stored with different tokens
+
+
+@dataclass(frozen=True, slots=True)
+class IndexOp:
+    """One index write; consecutive writes of the same kind and tier are merged."""
+
+    kind: OpKind
+    tier: Tier
+    keys: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PodChains:
+    """Engine hash -> router key and tier bitmask, for one pod incarnation."""
+
+    incarnation: str
+    keys: dict[int, int] = field(default_factory=dict)
+    tiers: dict[int, int] = field(default_factory=dict)
+    full_logged: bool = False
+
+
+def _emit(ops: list[IndexOp], kind: OpKind, tier: Tier, keys: Sequence[int]) -> None:
+    if kind != "clear" and not keys:
+        return
+    if ops and kind != "clear" and ops[-1].kind == kind and ops[-1].tier is tier:
+        ops[-1].keys.extend(keys)
+    else:
+        ops.append(IndexOp(kind, tier, list(keys)))
+
+
+@dataclass(slots=True)
+class Planner:
+    """Turns events into index operations, updating a pod's chains (no I/O)."""
+
+    root: int
+    block_size: int
+    max_blocks: int
+    stats: IngestStats
+    pod: str = ""
+
+    def plan(self, chains: PodChains, events: Sequence[KVEvent]) -> list[IndexOp]:
+        ops: list[IndexOp] = []
+        for event in events:
+            if isinstance(event, BlockStored):
+                self._stored(chains, event, ops)
+            elif isinstance(event, BlockRemoved):
+                self._removed(chains, event, ops)
+            elif isinstance(event, AllBlocksCleared):
+                self._cleared(chains, ops)
+        return ops
+
+    def _stored(self, chains: PodChains, ev: BlockStored, ops: list[IndexOp]) -> None:
+        self.stats.stored += 1
+        if ev.block_size != self.block_size:
+            self.stats.block_size_mismatch += 1
+            return
+        if ev.group_idx != 0:
+            self.stats.other_group += 1
+            return
+        if ev.lora_name is not None or ev.extra_keys:
+            self.stats.namespaced += 1
+            return
+        tier = tier_of_medium(ev.medium, ev.locality)
+        if not ev.token_ids:
+            self._placeholder(chains, ev, tier, ops)
+            return
+        if len(ev.token_ids) != len(ev.block_hashes) * self.block_size:
+            self.stats.malformed += 1
+            return
+        if ev.parent_block_hash is None:
+            parent: int | None = self.root
+        else:
+            parent = chains.keys.get(ev.parent_block_hash)
+        if parent is None:
+            self.stats.unmapped += 1
+            return
+        keys = chain_keys(ev.token_ids, self.block_size, parent)
+        bit = TIER_BIT[tier]
+        accepted: list[int] = []
+        for engine_hash, key in zip(ev.block_hashes, keys, strict=True):
+            old = chains.keys.get(engine_hash)
+            if old is None:
+                if len(chains.keys) >= self.max_blocks:
+                    self._full(chains, len(keys) - len(accepted))
+                    break  # later blocks chain from this one: none can be mapped
+            elif old != key:
+                self.stats.remapped += 1
+                self._forget(chains, engine_hash, ops)
+            chains.keys[engine_hash] = key
+            chains.tiers[engine_hash] = chains.tiers.get(engine_hash, 0) | bit
+            accepted.append(key)
+        _emit(ops, "store", tier, accepted)
+
+    def _placeholder(
+        self, chains: PodChains, ev: BlockStored, tier: Tier, ops: list[IndexOp]
+    ) -> None:
+        """A block announced without tokens (offload tiers): known by its engine hash."""
+        bit = TIER_BIT[tier]
+        accepted: list[int] = []
+        for engine_hash in ev.block_hashes:
+            key = chains.keys.get(engine_hash)
+            if key is None:
+                continue
+            chains.tiers[engine_hash] = chains.tiers.get(engine_hash, 0) | bit
+            accepted.append(key)
+        if len(accepted) < len(ev.block_hashes):
+            self.stats.unmapped += 1
+        _emit(ops, "store", tier, accepted)
+
+    def _removed(self, chains: PodChains, ev: BlockRemoved, ops: list[IndexOp]) -> None:
+        self.stats.removed += 1
+        if ev.group_idx != 0:
+            self.stats.other_group += 1
+            return
+        tier = tier_of_medium(ev.medium, ev.locality)
+        bit = TIER_BIT[tier]
+        gone: list[int] = []
+        for engine_hash in ev.block_hashes:
+            mask = chains.tiers.get(engine_hash, 0)
+            if not mask & bit:
+                self.stats.removed_unknown += 1
+                continue
+            gone.append(chains.keys[engine_hash])
+            mask &= ~bit
+            if mask:
+                chains.tiers[engine_hash] = mask
+            else:
+                del chains.tiers[engine_hash], chains.keys[engine_hash]
+        _emit(ops, "remove", tier, gone)
+
+    def _cleared(self, chains: PodChains, ops: list[IndexOp]) -> None:
+        """Prefix-cache reset: HBM only, offload tiers keep their blocks."""
+        self.stats.cleared += 1
+        keep = ~TIER_BIT[Tier.HBM]
+        tiers = {h: m & keep for h, m in chains.tiers.items() if m & keep}
+        chains.keys = {h: chains.keys[h] for h in tiers}
+        chains.tiers = tiers
+        _emit(ops, "clear", Tier.HBM, ())
+
+    def _forget(self, chains: PodChains, engine_hash: int, ops: list[IndexOp]) -> None:
+        """Withdraw an engine hash's old router key from every tier it was in."""
+        key = chains.keys.pop(engine_hash)
+        mask = chains.tiers.pop(engine_hash, 0)
+        for tier, bit in TIER_BIT.items():
+            if mask & bit:
+                _emit(ops, "remove", tier, [key])
+
+    def _full(self, chains: PodChains, dropped: int) -> None:
+        self.stats.mapping_full += dropped
+        if not chains.full_logged:
+            chains.full_logged = True
+            log.warning(
+                "kv events: pod %s (incarnation %s) holds %d mapped blocks, the cap; "
+                "new blocks are not indexed until some are removed "
+                "(raise max_blocks_per_pod if the engine really caches this many)",
+                self.pod,
+                chains.incarnation,
+                self.max_blocks,
+            )
+
+
+class Ingestor:
+    """Applies batches of one or more pods to a ResidencyIndex, in arrival order."""
+
+    def __init__(
+        self,
+        index: ResidencyIndex,
+        *,
+        generation: str,
+        block_size: int,
+        max_blocks_per_pod: int = DEFAULT_MAX_BLOCKS_PER_POD,
+    ) -> None:
+        self.index = index
+        self.block_size = block_size
+        self.stats = IngestStats()
+        self._root = generation_root(generation)
+        self._max_blocks = max_blocks_per_pod
+        self._chains: dict[str, PodChains] = {}
+
+    def chains(self, pod: str, incarnation: str) -> PodChains:
+        """The pod's mapping for ``incarnation``; a new incarnation starts empty."""
+        current = self._chains.get(pod)
+        if current is None or current.incarnation != incarnation:
+            current = self._chains[pod] = PodChains(incarnation)
+        return current
+
+    def forget(self, pod: str) -> None:
+        """Drop the pod's mapping (pod removed, or its stream starts over)."""
+        self._chains.pop(pod, None)
+
+    def mapped_blocks(self, pod: str) -> int:
+        chains = self._chains.get(pod)
+        return 0 if chains is None else len(chains.keys)
+
+    def plan(self, pod: str, incarnation: str, batch: EventBatch) -> list[IndexOp]:
+        """Update the mapping for ``batch`` and return the index writes it implies."""
+        planner = Planner(self._root, self.block_size, self._max_blocks, self.stats, pod)
+        self.stats.batches += 1
+        return planner.plan(self.chains(pod, incarnation), batch.events)
+
+    async def apply(self, pod: str, incarnation: str, batch: EventBatch) -> None:
+        """Plan and write one batch. If the index raises, the mapping is already
+        ahead of it: the caller should start a new incarnation for the pod."""
+        for op in self.plan(pod, incarnation, batch):
+            await write(self.index, pod, incarnation, op)
+
+
+async def write(index: ResidencyIndex, pod: str, incarnation: str, op: IndexOp) -> None:
+    """Perform one planned operation."""
+    if op.kind == "store":
+        await index.store(pod, incarnation, op.keys, op.tier)
+    elif op.kind == "remove":
+        await index.remove(pod, incarnation, op.keys, op.tier)
+    else:
+        await index.clear(pod, incarnation, op.tier)
