@@ -27,7 +27,7 @@ lint: setup
 typecheck: setup
 	cd /tmp && $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml -p kvplane 2>&1 \
 		| sed -E "s#$(ROOT)/build/__editable__[^/]*/kvplane/(router|operator)/#\1/#; s#$(ROOT)/build/__editable__[^/]*/##"; exit $${PIPESTATUS[0]}
-	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
+	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml --explicit-package-bases \
 		$(ROOT)/tests
 
 test: setup-vllm lint typecheck
