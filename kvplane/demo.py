@@ -68,9 +68,7 @@ async def _one(client: openai.AsyncOpenAI, prompt: str) -> tuple[float, int, int
     return ttft, usage.prompt_tokens, cached
 
 
-async def run_workload(
-    url: str, policy: str, prompts: list[str], concurrency: int
-) -> RunResult:
+async def run_workload(url: str, policy: str, prompts: list[str], concurrency: int) -> RunResult:
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="demo", max_retries=0)
     result = RunResult(policy, len(prompts), 0, 0, 0, [])
     sem = asyncio.Semaphore(concurrency)
@@ -125,8 +123,10 @@ def router_config(engines: list, policy: str, tokenizer: str) -> RouterConfig:  
 
 def print_table(results: list[RunResult]) -> None:
     print()
-    print(f"{'policy':<16}{'requests':>9}{'errors':>8}{'hit ratio':>11}"
-          f"{'TTFT p50':>11}{'TTFT p90':>11}")
+    print(
+        f"{'policy':<16}{'requests':>9}{'errors':>8}{'hit ratio':>11}"
+        f"{'TTFT p50':>11}{'TTFT p90':>11}"
+    )
     for r in results:
         print(
             f"{r.policy:<16}{r.requests:>9}{r.errors:>8}{r.hit_ratio:>11.2f}"

@@ -13,14 +13,14 @@ import httpx
 import openai
 import pytest
 import redis
-from support.redis_server import RedisServer
-from support.router_server import RunningRouter, serve_router
-from support.vllm_engines import BLOCK_SIZE, VllmEngine
-from support.vllm_fixtures import EngineFactory
-
 from kvplane.router.config import RouterConfig
 from kvplane.router.engine_stats import parse_metrics
 from kvplane.router.tokens import ChatOptions, PromptTokenizer
+from support.redis_server import RedisServer
+from support.router_server import RunningRouter, serve_router
+from support.vllm_fixtures import EngineFactory
+
+from kvplane.local.vllm_engines import BLOCK_SIZE, VllmEngine
 from kvplane.workloads import text_of_words
 
 pytestmark = pytest.mark.vllm
@@ -49,9 +49,7 @@ CHATS: list[list[dict[str, str]]] = [
 ]
 
 
-def config_for(
-    engines: list[VllmEngine], tokenizer: Path, **extra: object
-) -> RouterConfig:
+def config_for(engines: list[VllmEngine], tokenizer: Path, **extra: object) -> RouterConfig:
     return RouterConfig.model_validate(
         {
             "model": {
