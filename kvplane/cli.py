@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=8000, help="router port left serving")
     d.add_argument("--groups", type=int, default=4, help="shared-prefix groups")
     d.add_argument("--per-group", type=int, default=4, help="requests per group")
-    d.add_argument("--prefix-tokens", type=int, default=1536)
+    d.add_argument("--prefix-tokens", type=int, default=6000)
     d.set_defaults(handler=_demo)
 
     b = sub.add_parser("bench", help="benchmarks (print figures, write bench/results)")

@@ -92,8 +92,9 @@ def shared_prefix_workload(
     groups: int, per_group: int, prefix_words: int, question_words: int, seed: int
 ) -> list[SharedPrefixRequest]:
     """``groups`` long system prompts, each followed by ``per_group`` distinct questions
-    (SGLang's generated-shared-prefix shape), interleaved round by round so that every
-    group's requests arrive spread over the run, as they do in production."""
+    (SGLang's generated-shared-prefix shape), in a shuffled order so that every group's
+    requests arrive spread over the run, as they do in production (a fixed interleave
+    would let round-robin land a group on one pod by accident)."""
     rng = random.Random(seed)
     prefixes = [f"[doc {seed}-{g}] " + text_of_words(rng, prefix_words) for g in range(groups)]
     out = []
@@ -101,4 +102,5 @@ def shared_prefix_workload(
         for g in range(groups):
             question = text_of_words(rng, question_words)
             out.append(SharedPrefixRequest(g, i, f"{prefixes[g]}\n\nQuestion {i}: {question}"))
+    rng.shuffle(out)
     return out
