@@ -8,16 +8,36 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvplane.router.config import RouterConfig
 
 Handler = Callable[[argparse.Namespace], int]
+
+
+class ConfigError(Exception):
+    """A config file that cannot be read or does not validate."""
+
+
+def _load(path: str) -> RouterConfig:
+    import pydantic
+    import yaml
+
+    from kvplane.router.config import load_config
+
+    try:
+        return load_config(path)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {path}") from exc
+    except (yaml.YAMLError, pydantic.ValidationError) as exc:
+        raise ConfigError(f"invalid config {path}:\n{exc}") from exc
 
 
 def _router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from kvplane.router.config import load_config
-
-    config = load_config(args.config)  # fail fast, with a readable error, before forking
+    config = _load(args.config)  # fail fast, with a readable error, before forking
     if args.workers > 1 and config.index.backend == "memory":
         print(
             "kvplane router: --workers > 1 needs a shared index (index.backend: redis); "
@@ -44,6 +64,7 @@ def _router(args: argparse.Namespace) -> int:
 def _indexer(args: argparse.Namespace) -> int:
     from kvplane.router.indexer_main import run_indexer
 
+    _load(args.config)
     code: int = asyncio.run(run_indexer(args.config, args.metrics_port))
     return code
 
@@ -114,7 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     handler: Handler = args.handler
-    return handler(args)
+    try:
+        return handler(args)
+    except ConfigError as exc:
+        print(f"kvplane {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

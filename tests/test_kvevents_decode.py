@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 import pytest
+from kvplane.router.blockkeys import block_keys, generation_root
+from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.kvevents.decode import (
     DecodeError,
     decode_batch,
@@ -23,7 +25,9 @@ from kvplane.router.kvevents.decode import (
     parse_live,
     parse_replay,
 )
+from kvplane.router.kvevents.ingest import Ingestor
 from kvplane.router.kvevents.model import AllBlocksCleared, BlockRemoved, BlockStored
+from kvplane.router.tiers import Tier
 
 Hash = bytes | int
 
@@ -371,37 +375,63 @@ def _frame(value: object) -> bytes:
     raise TypeError(f"frame of type {type(value).__name__}")
 
 
-def _messages(path: Path) -> list[list[bytes]]:
-    """Captured multipart messages: a directory of captures, JSON lines with a
-    ``frames`` list (hex or base64), or msgpack (a list of frame lists)."""
-    if path.is_dir():
-        return [m for child in sorted(path.iterdir()) for m in _messages(child)]
-    raw = path.read_bytes()
-    if path.suffix in (".jsonl", ".json"):
-        lines = [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
-        items = lines[0] if path.suffix == ".json" and len(lines) == 1 else lines
-        return [[_frame(f) for f in (i["frames"] if isinstance(i, dict) else i)] for i in items]
-    data = msgspec.msgpack.decode(raw)
-    if data and isinstance(data[0], bytes):
-        data = [data]
-    return [[_frame(f) for f in msg] for msg in data]
+def _capture(path: Path) -> list[dict[str, Any]]:
+    """The golden capture: JSON lines of kind ``meta``, ``action`` (the request and
+    its prompt token ids from /tokenize) and ``batch`` (``frames_b64``: the message
+    the engine published after it); see tests/test_vllm_engines.py."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.skipif(not CAPTURES, reason="no tests/data/vllm-0.32-kv-events* capture yet")
+def _frames(line: dict[str, Any]) -> list[bytes]:
+    return [base64.b64decode(f) for f in line["frames_b64"]]
+
+
 @pytest.mark.parametrize("path", CAPTURES, ids=lambda p: p.name)
 def test_real_vllm_frames_decode(path: Path) -> None:
-    messages = _messages(path)
-    assert messages, f"{path} holds no messages"
+    lines = _capture(path)
+    batches = [ln for ln in lines if ln["kind"] == "batch"]
+    assert batches, f"{path} holds no batches"
     seqs: list[int] = []
     stored = 0
-    for frames in messages:
-        env, batch = decode_message(frames)
+    for line in batches:
+        env, batch = decode_message(_frames(line))
+        assert env.seq == int(line["seq"]) and env.topic == line["topic"].encode()
         seqs.append(env.seq)
         for ev in batch.events:
             if isinstance(ev, BlockStored):
                 stored += 1
-                if ev.token_ids:
-                    assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
+                assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
                 assert all(0 <= h < 2**64 for h in ev.block_hashes)
+                assert ev.medium == "GPU"
     assert seqs == sorted(seqs), "a capture from one publisher has increasing seqs"
     assert stored > 0, "a capture of real traffic stores blocks"
+
+
+@pytest.mark.parametrize("path", CAPTURES, ids=lambda p: p.name)
+async def test_real_vllm_events_map_to_the_routers_own_keys(path: Path) -> None:
+    """Ingesting what vLLM really published yields, for each request, exactly the keys
+    the router computes from the prompt's token ids (engine hashes never compared)."""
+    lines = _capture(path)
+    block = 32
+    index = MemoryIndex()
+    ingestor = Ingestor(index, generation="golden", block_size=block)
+    await index.begin_incarnation("e", "1")
+    root = generation_root("golden")
+    checked = 0
+    for line in lines:
+        if line["kind"] == "batch":
+            _, batch = decode_message(_frames(line))
+            await ingestor.apply("e", "1", batch)
+        elif line["kind"] == "action" and "prompt_token_ids" in line:
+            pending = line
+            continue
+        else:
+            continue
+        action = pending
+        keys = block_keys(action["prompt_token_ids"], block, root)
+        if not keys:
+            continue
+        got = (await index.lookup(keys, ["e"]))["e"][Tier.HBM]
+        assert got == len(keys), action["name"]
+        checked += 1
+    assert checked >= 2

@@ -4,6 +4,8 @@ a real Redis and the official OpenAI client."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -13,6 +15,7 @@ import httpx
 import openai
 import pytest
 import redis
+import yaml
 from kvplane.router.config import RouterConfig
 from kvplane.router.engine_stats import parse_metrics
 from kvplane.router.tokens import ChatOptions, PromptTokenizer
@@ -224,3 +227,46 @@ def test_killed_engine_is_dropped_and_traffic_continues(
 
 async def _incarnations(router: RunningRouter) -> dict[str, str]:
     return dict(await router.router.index.incarnations())
+
+
+def test_standalone_indexer_feeds_redis_for_router_replicas(
+    vllm_engines: list[VllmEngine],
+    tiny_model: Path,
+    redis_server: RedisServer,
+    tmp_path: Path,
+) -> None:
+    """The production topology: `kvplane indexer` writes Redis, routers only read it."""
+    redis.Redis.from_url(redis_server.url).flushdb()
+    config = config_for(
+        vllm_engines,
+        tiny_model,
+        index={"backend": "redis", "url": redis_server.url},
+        cost={"tentative_ttl_s": 0.01},
+    )
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    exe = Path(sys.executable).parent / "kvplane"
+    log = tmp_path / "indexer.log"
+    with log.open("wb") as sink:
+        indexer = subprocess.Popen(
+            [str(exe), "indexer", "--config", str(path), "--metrics-port", "0"],
+            stdout=subprocess.DEVNULL,
+            stderr=sink,
+        )
+    try:
+        with serve_router(config, embedded_indexer=False) as router:
+            prefix = unique_text(400)
+            body = {"model": "tiny", "prompt": prefix + " one", "max_tokens": 2}
+            r1 = httpx.post(f"{router.url}/v1/completions", json=body, timeout=60)
+            pod = r1.headers["x-kvplane-pod"]
+            wait_resident(router, body, pod, int(r1.headers["x-kvplane-prompt-tokens"]) // 32)
+            body2 = {"model": "tiny", "prompt": prefix + " two", "max_tokens": 2}
+            r2 = httpx.post(f"{router.url}/v1/completions", json=body2, timeout=60)
+            assert r2.headers["x-kvplane-pod"] == pod
+            assert r2.headers["x-kvplane-reason"] == "cache_hit"
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nindexer log:\n{log.read_text()[-3000:]}") from exc
+    finally:
+        indexer.terminate()
+        indexer.wait(timeout=20)
+    assert indexer.returncode == 0, log.read_text()[-3000:]

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 DEFAULT_REPLAY_TIMEOUT_S: Final = 5.0
 RECONNECT_MIN_S: Final = 0.1
 RECONNECT_MAX_S: Final = 5.0
+CONNECT_WAIT_S: Final = 1.0  # first connection, before the start notice
 SUB_RCVHWM: Final = 100_000  # the engine's default PUB hwm: a slow ingest must not drop
 
 Step = Literal["first", "next", "gap", "restart", "duplicate"]
@@ -122,6 +123,20 @@ def contiguous_suffix(seqs: Collection[int], stop: int) -> int:
     return start
 
 
+async def _wait_connected(monitor: zmq.asyncio.Socket, timeout_s: float) -> bool:
+    """Whether the first connection comes up within ``timeout_s`` (an engine that is
+    down just starts later: its CONNECTED event is then handled in the loop)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while (remaining := deadline - loop.time()) > 0:
+        if not await monitor.poll(max(1, int(remaining * 1000))):
+            return False
+        event = parse_monitor_message(await monitor.recv_multipart())["event"]
+        if event == zmq.EVENT_CONNECTED:
+            return True
+    return False
+
+
 def _poller(sock: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> zmq.asyncio.Poller:
     poller = zmq.asyncio.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -154,6 +169,9 @@ class EngineSubscriber:
         self._incarnation: str | None = None
         self._last_seq: int | None = None
         self._publisher = b""
+        # batches read from the replay buffer on connect, by seq: a live copy of one
+        # of them (queued while we replayed) is a duplicate, not a restart
+        self._replayed: dict[int, bytes] = {}
 
     @property
     def incarnation(self) -> str | None:
@@ -170,12 +188,17 @@ class EngineSubscriber:
         """The stream, until cancelled or closed. Starts with an
         ``IncarnationChanged(reason="start")`` before any batch."""
         self._last_seq, self._publisher = None, b""
-        sock = self._open()
-        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sock, monitor = self._open()
         poller = _poller(sock, monitor)
         lost = False
         try:
-            yield self._begin("start")
+            start = self._begin("start")
+            caught_up: list[Update] = []
+            if await _wait_connected(monitor, CONNECT_WAIT_S):
+                caught_up = await self._catch_up_on_connect()
+            yield start
+            for update in caught_up:
+                yield update
             backoff = RECONNECT_MIN_S
             while True:
                 try:
@@ -186,10 +209,14 @@ class EngineSubscriber:
                             lost = True
                             log.warning("kv events %s: connection lost", self.pod)
                             yield StreamLost(self.pod, self._incarnation)
-                        elif event == zmq.EVENT_CONNECTED and lost:
-                            lost = False
-                            self._last_seq, self._publisher = None, b""
-                            yield self._begin("start")
+                        elif event == zmq.EVENT_CONNECTED:
+                            if lost:
+                                lost = False
+                                self._last_seq, self._publisher = None, b""
+                                yield self._begin("start")
+                            if self._last_seq is None:
+                                for update in await self._catch_up_on_connect():
+                                    yield update
                     if sock not in ready:
                         continue
                     frames = await sock.recv_multipart()
@@ -203,8 +230,7 @@ class EngineSubscriber:
                     sock.close(linger=0)
                     await asyncio.sleep(backoff)
                     backoff = min(2 * backoff, RECONNECT_MAX_S)
-                    sock = self._open()
-                    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+                    sock, monitor = self._open()
                     poller = _poller(sock, monitor)
                     continue
                 backoff = RECONNECT_MIN_S
@@ -214,7 +240,9 @@ class EngineSubscriber:
             monitor.close(linger=0)
             sock.close(linger=0)
 
-    def _open(self) -> zmq.asyncio.Socket:
+    def _open(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """A SUB socket and its monitor, attached before connecting so that the
+        first CONNECTED event cannot be missed."""
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, SUB_RCVHWM)
@@ -224,8 +252,9 @@ class EngineSubscriber:
         sock.setsockopt(zmq.HEARTBEAT_IVL, 5_000)
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 15_000)
         sock.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sock.connect(self.endpoint)
-        return sock
+        return sock, monitor
 
     def _begin(self, reason: Reason) -> IncarnationChanged:
         previous, self._incarnation = self._incarnation, self._make_id()
@@ -249,6 +278,13 @@ class EngineSubscriber:
             log.debug("kv events %s: bad message: %s", self.pod, exc)
             return []
         self.stats.messages += 1
+        if self._replayed:
+            if self._replayed.get(env.seq) == env.payload:
+                self.stats.duplicates += 1
+                return []
+            self._replayed = {}
+            if self._publisher == b"" and env.publisher:  # replay frames carry no id
+                self._publisher = env.publisher
         step = classify(self._last_seq, self._publisher, env.seq, env.publisher)
         out: list[Update] = []
         if step == "duplicate":
@@ -266,6 +302,18 @@ class EngineSubscriber:
         out += self._decoded(env.seq, env.payload)
         self._last_seq, self._publisher = env.seq, env.publisher
         return out
+
+    async def _catch_up_on_connect(self) -> list[Update]:
+        """Learn what a running engine already holds as soon as we connect, instead
+        of waiting for its next event (an idle engine may send none for a long time)."""
+        got = await self._replay(0, 1 << 63)
+        if not got or self._last_seq is not None:
+            return []
+        stop = max(got) + 1
+        start = contiguous_suffix(got, stop)
+        self._replayed = {seq: got[seq] for seq in range(start, stop)}
+        self._last_seq, self._publisher = stop - 1, b""
+        return self._decoded_range(got, start, stop)
 
     async def _fill_gap(self, start: int, stop: int) -> list[Update]:
         got = await self._replay(start, stop)
