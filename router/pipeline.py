@@ -28,7 +28,11 @@ from kvplane.router.index.base import PrefixMatches, ResidencyIndex
 from kvplane.router.pool import Pool
 from kvplane.router.request import ParsedRequest
 from kvplane.router.telemetry import RouterMetrics
-from kvplane.router.tokens import ChatFormatError, PromptTokenizer
+from kvplane.router.tokens import ChatFormatError, PromptTokenizer, prompt_source
+
+# Encoding at most this many characters (about 1000 tokens, ~1 ms) is done on the
+# event loop: less than a thread hop costs on a busy machine.
+INLINE_TAIL_CHARS = 4096
 
 log = logging.getLogger("kvplane.router")
 
@@ -96,20 +100,34 @@ class RoutingPipeline:
         self.root = generation_root(generation)
         self._rr = RoundRobin()
 
-    def _tokenize(self, req: ParsedRequest) -> list[int]:
+    def _source(self, req: ParsedRequest) -> tuple[str | list[int], bool]:
+        """The text to encode (a chat rendered through its template) or given token ids."""
         if req.kind == "chat":
             assert req.messages is not None and req.chat is not None
-            return self.tokenizer.encode_chat(req.messages, req.chat)
-        return self.tokenizer.encode_prompt(req.prompt, req.add_special_tokens)
+            return self.tokenizer.render_chat(req.messages, req.chat), req.chat.add_special_tokens
+        return prompt_source(req.prompt), req.add_special_tokens
 
-    def _tokens_and_keys(self, req: ParsedRequest) -> tuple[list[int], list[int]]:
-        tokens = self._tokenize(req)
+    def _encode_and_key(self, text: str, special: bool) -> tuple[list[int], list[int]]:
+        tokens = self.tokenizer.encode(text, special)
         return tokens, block_keys(tokens, self.config.model.block_size, self.root)
 
     async def tokens_and_keys(self, req: ParsedRequest) -> tuple[list[int], list[int]]:
+        """Tokens and block keys. Encoding runs in the tokenizer's threads unless a
+        cached prefix leaves only a short tail (then the hop would cost more than
+        the work, and the loop is held for well under a millisecond)."""
         start = time.perf_counter()
         try:
-            tokens, keys = await self.tokenizer.run(self._tokens_and_keys, req)
+            source, special = self._source(req)
+            if isinstance(source, list):
+                tokens = source
+                keys = block_keys(tokens, self.config.model.block_size, self.root)
+            else:
+                quick = self.tokenizer.encode_reusing(source, special, INLINE_TAIL_CHARS)
+                if quick is not None:
+                    tokens = quick
+                    keys = block_keys(tokens, self.config.model.block_size, self.root)
+                else:
+                    tokens, keys = await self.tokenizer.run(self._encode_and_key, source, special)
         except ChatFormatError as exc:
             param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from exc

@@ -23,6 +23,7 @@ checks exactness against full encoding over adversarial prompts.
 from __future__ import annotations
 
 import json
+import threading
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-CHUNK_CHARS = 1024
+CHUNK_CHARS = 512
 
 
 class _Encoding(Protocol):
@@ -85,7 +86,10 @@ def chunk_hashes(text: str, chunk: int = CHUNK_CHARS) -> list[int]:
 
 
 class PrefixTokenCache:
-    """LRU of cuts into recently encoded prompts, bounded by cached token count."""
+    """LRU of cuts into recently encoded prompts, bounded by cached token count.
+
+    Thread-safe: the router looks up on the event loop and fills from its
+    tokenizer threads."""
 
     def __init__(self, max_tokens: int, max_added_token_chars: int, chunk: int = CHUNK_CHARS):
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
@@ -96,9 +100,14 @@ class PrefixTokenCache:
         self._chunk = chunk
         self.hits = 0
         self.misses = 0
+        self._lock = threading.Lock()
 
     def find(self, hashes: list[int]) -> _Entry | None:
         """The cut of the longest cached chunk-prefix of a prompt, if any."""
+        with self._lock:
+            return self._find(hashes)
+
+    def _find(self, hashes: list[int]) -> _Entry | None:
         for h in reversed(hashes):
             entry = self._entries.get(h)
             if entry is not None:
@@ -110,6 +119,10 @@ class PrefixTokenCache:
 
     def add(self, hashes: list[int], encoding: _Encoding, ids: array[int], text_len: int) -> None:
         """Record cuts for every chunk of a freshly encoded prompt."""
+        with self._lock:
+            self._add(hashes, encoding, ids, text_len)
+
+    def _add(self, hashes: list[int], encoding: _Encoding, ids: array[int], text_len: int) -> None:
         if not hashes or hashes[-1] in self._entries:
             return
         keys: list[int] = []

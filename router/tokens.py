@@ -73,6 +73,21 @@ def normalise_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def prompt_source(prompt: Any) -> str | list[int]:
+    """A completion ``prompt`` as text or token ids; a batch is routed by its first item."""
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, int) and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        if isinstance(first, str):
+            return first
+        if isinstance(first, list) and all(isinstance(t, int) for t in first):
+            return [int(t) for t in first]
+    raise ChatFormatError("'prompt' must be a string, a list of strings or token ids")
+
+
 class PromptTokenizer:
     """The engine's tokenizer and chat template, with exact prefix reuse."""
 
@@ -109,20 +124,37 @@ class PromptTokenizer:
     # -- encoding ---------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; equal to a full encode, cheaper on a shared prefix."""
+        ids = self.encode_reusing(text, add_special_tokens, max_tail_chars=None)
+        assert ids is not None
+        return ids
+
+    def encode_reusing(
+        self, text: str, add_special_tokens: bool, max_tail_chars: int | None
+    ) -> list[int] | None:
+        """Like ``encode``, but None (nothing encoded) when more than ``max_tail_chars``
+        would have to be encoded: the caller can then do it off the event loop."""
         if not self.reuse_enabled or (add_special_tokens and self._specials is None):
+            if max_tail_chars is not None and len(text) > max_tail_chars:
+                return None
             return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
-        body = self._encode_body(text)
+        body = self._encode_body(text, max_tail_chars)
+        if body is None:
+            return None
         if add_special_tokens and self._specials is not None:
             head, tail = self._specials
             return [*head, *body, *tail]
         return body
 
-    def _encode_body(self, text: str) -> list[int]:
+    def _encode_body(self, text: str, max_tail_chars: int | None) -> list[int] | None:
         hashes = chunk_hashes(text)
         entry = self._cache.find(hashes) if hashes else None
         if entry is not None:
+            if max_tail_chars is not None and len(text) - entry.cut > max_tail_chars:
+                return None
             tail = self._rust.encode(text[entry.cut :], add_special_tokens=False).ids
             return [*entry.ids[: entry.n_ids], *tail]
+        if max_tail_chars is not None and len(text) > max_tail_chars:
+            return None
         enc = self._rust.encode(text, add_special_tokens=False)
         ids = enc.ids
         if hashes:
@@ -157,17 +189,8 @@ class PromptTokenizer:
 
     def encode_prompt(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
         """A completion ``prompt``: text, token ids, or a batch (routed by its first item)."""
-        if isinstance(prompt, str):
-            return self.encode(prompt, add_special_tokens)
-        if isinstance(prompt, list) and prompt:
-            first = prompt[0]
-            if isinstance(first, int) and all(isinstance(t, int) for t in prompt):
-                return [int(t) for t in prompt]
-            if isinstance(first, str):
-                return self.encode(first, add_special_tokens)
-            if isinstance(first, list) and all(isinstance(t, int) for t in first):
-                return [int(t) for t in first]
-        raise ChatFormatError("'prompt' must be a string, a list of strings or token ids")
+        source = prompt_source(prompt)
+        return source if isinstance(source, list) else self.encode(source, add_special_tokens)
 
     async def run(self, fn: Any, *args: Any) -> Any:
         """Run an encode off the event loop."""
