@@ -59,7 +59,7 @@ async def _one(client: openai.AsyncOpenAI, prompt: str) -> tuple[float, int, int
         stream_options={"include_usage": True},
     )
     pod = raw.headers.get("x-kvplane-pod", "?")
-    async for chunk in raw.parse():  # type: ignore[union-attr]
+    async for chunk in raw.parse():
         if not ttft and chunk.choices:
             ttft = (time.perf_counter() - start) * 1000
         if chunk.usage is not None:
