@@ -29,6 +29,7 @@ from kvplane.router.pool import Pool, Scraper
 from kvplane.router.proxy import Proxy, forward_headers
 from kvplane.router.request import ParsedRequest, parse_request
 from kvplane.router.telemetry import RouterMetrics
+from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import JSONResponse, Response
@@ -174,13 +175,15 @@ def create_app(
         finally:
             router.metrics.requests.labels(**labels, route=kind, status=status).inc()
 
-    @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await handle(request, "completions", "/v1/completions")
 
-    @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await handle(request, "chat", "/v1/chat/completions")
+
+    # plain Starlette routes on the hot path: no FastAPI dependency resolution per request
+    app.add_route("/v1/completions", completions, methods=["POST"])
+    app.add_route("/v1/chat/completions", chat, methods=["POST"])
 
     @app.post("/kvplane/explain")
     async def explain(request: Request) -> Response:
@@ -251,9 +254,14 @@ async def _forward(
             m.predicted_cached.labels(**m.labels).inc(predicted)
 
     def headers_for(pod: str, attempts: int) -> dict[str, str]:
-        if routed.keys:  # the pod will hold these blocks until its events say otherwise
+        # The pod will hold the prompt's blocks until its events say otherwise; only
+        # the blocks it does not already hold need a mark (a shared prefix: a few).
+        held = routed.matches.get(pod, {}).get(Tier.HBM, 0) if routed.matches else 0
+        if len(routed.keys) > held:
             task = asyncio.create_task(
-                router.index.mark_tentative(pod, routed.keys, router.config.cost.tentative_ttl_s)
+                router.index.mark_tentative(
+                    pod, routed.keys[held:], router.config.cost.tentative_ttl_s
+                )
             )
             task.add_done_callback(_log_task_error)
         return _headers(routed, request_id, pod, attempts)
