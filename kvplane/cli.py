@@ -82,6 +82,28 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _crds(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvplane.operator.crdgen import all_crds, render_yaml
+
+    out = Path(args.out)
+    stale = []
+    for name, manifest in all_crds().items():
+        text = render_yaml(manifest)
+        path = out / name
+        if args.check:
+            if not path.is_file() or path.read_text() != text:
+                stale.append(str(path))
+        else:
+            out.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+    if stale:
+        print("stale CRDs (run `kvplane crds`): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvplane",
@@ -118,6 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--per-group", type=int, default=4, help="requests per group")
     d.add_argument("--prefix-tokens", type=int, default=6000)
     d.set_defaults(handler=_demo)
+
+    c = sub.add_parser("crds", help="write the CRD manifests generated from the typed models")
+    c.add_argument("--out", default="crds", help="directory (default: crds)")
+    c.add_argument("--check", action="store_true", help="fail if the files are stale")
+    c.set_defaults(handler=_crds)
 
     b = sub.add_parser("bench", help="benchmarks (print figures, write bench/results)")
     bsub = b.add_subparsers(dest="bench", required=True)

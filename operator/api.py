@@ -1,0 +1,381 @@
+"""The kvplane.io/v1alpha1 custom resources, as typed models.
+
+These models are the single source of truth: ``crdgen.py`` turns them into the
+CRD manifests in ``crds/`` (a test fails when those are stale), and the operator
+parses every object it reconciles with them. Cross-field rules live here as CEL
+(``x-kubernetes-validations``) so the API server rejects bad objects before the
+operator ever sees them.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+GROUP = "kvplane.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+def cel(rule: str, message: str) -> dict[str, str]:
+    return {"rule": rule, "message": message}
+
+
+class Model(BaseModel):
+    """camelCase on the wire, snake_case in Python; unknown fields are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+FreeForm = Annotated[
+    dict[str, Any],
+    Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}),
+]
+
+
+class LocalObjectRef(Model):
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+
+
+class SecretKeyRef(Model):
+    name: Annotated[str, Field(min_length=1, max_length=253)]
+    key: Annotated[str, Field(min_length=1)]
+
+
+# --- InferencePool ---------------------------------------------------------------
+
+
+class Engine(StrEnum):
+    VLLM = "vllm"
+    SGLANG = "sglang"
+
+
+class ModelShape(Model):
+    """Enough of the model's config to size its KV cache per token."""
+
+    layers: Annotated[int, Field(ge=1, le=1024)]
+    kv_heads: Annotated[int, Field(ge=1, le=1024)]
+    head_dim: Annotated[int, Field(ge=1, le=4096)]
+    dtype_bytes: Annotated[int, Field(ge=1, le=8)] = 2
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+class ModelIdentity(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "has(self.shape) != has(self.kvBytesPerToken)",
+                    "set exactly one of shape and kvBytesPerToken",
+                )
+            ]
+        }
+    )
+
+    served_name: Annotated[str, Field(min_length=1, description="the `model` clients send")]
+    source: Annotated[
+        str, Field(min_length=1, description="weights: a hub id, or a path in the image/volume")
+    ]
+    revision: str = "main"
+    tokenizer: str | None = Field(default=None, description="defaults to source")
+    shape: ModelShape | None = None
+    kv_bytes_per_token: Annotated[int, Field(ge=1)] | None = None
+    max_model_len: Annotated[int, Field(ge=1)] | None = None
+
+    def kv_bytes(self) -> int:
+        if self.kv_bytes_per_token is not None:
+            return self.kv_bytes_per_token
+        assert self.shape is not None
+        return self.shape.kv_bytes_per_token()
+
+
+class EngineSpec(Model):
+    kind: Engine = Engine.VLLM
+    image: Annotated[str, Field(min_length=1)] = "vllm/vllm-openai:v0.33.0"
+    block_size: Annotated[int, Field(ge=1, le=1024)] = 16
+    hash_seed: str = Field(
+        default="kvplane",
+        description="PYTHONHASHSEED on every engine: identical block hashes across pods",
+    )
+    extra_args: list[str] = Field(default_factory=list)
+    env: list[FreeForm] = Field(default_factory=list, description="extra container env vars")
+
+
+class Policy(StrEnum):
+    COST = "cost"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    STICKY = "sticky"
+
+
+class ServiceType(StrEnum):
+    CLUSTER_IP = "ClusterIP"
+    NODE_PORT = "NodePort"
+    LOAD_BALANCER = "LoadBalancer"
+
+
+class RouterCost(Model):
+    prefill_tokens_per_s: Annotated[float, Field(gt=0)] = 30000.0
+    running_step_ms_per_request: Annotated[float, Field(ge=0)] = 0.05
+    load_cap: Annotated[float, Field(ge=1)] = 2.0
+    tentative_ttl_s: Annotated[float, Field(gt=0)] = 10.0
+
+
+class RouterSpec(Model):
+    replicas: Annotated[int, Field(ge=0, le=100)] = 2
+    image: str | None = Field(default=None, description="defaults to the operator's image")
+    policy: Policy = Policy.COST
+    cost: RouterCost = Field(default_factory=RouterCost)
+    service_type: ServiceType = ServiceType.CLUSTER_IP
+    port: Annotated[int, Field(ge=1, le=65535)] = 8000
+    api_keys_secret_ref: LocalObjectRef | None = Field(
+        default=None, description="Secret whose values are accepted bearer tokens"
+    )
+
+
+class ManagedRedis(Model):
+    image: str = "redis:7.4-alpine"
+    memory: Annotated[str, Field(pattern=QUANTITY)] = "1Gi"
+
+
+class ExternalRedis(Model):
+    url: Annotated[str, Field(pattern=r"^rediss?://")]
+    password_secret_ref: SecretKeyRef | None = None
+
+
+class IndexSpec(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!(has(self.managed) && has(self.external))",
+                    "managed and external exclude each other",
+                )
+            ]
+        }
+    )
+
+    managed: ManagedRedis | None = Field(
+        default=None, description="a Redis the operator runs (the default)"
+    )
+    external: ExternalRedis | None = None
+
+
+class PoolRefs(Model):
+    prefill: LocalObjectRef | None = None
+    decode: list[LocalObjectRef] = Field(default_factory=list)
+
+
+class InferencePoolSpec(Model):
+    """One served model: engine, model identity, router and residency index."""
+
+    model: ModelIdentity
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    pools: PoolRefs | None = Field(
+        default=None,
+        description="optional: pools also point here with poolRef; both must agree",
+    )
+    kv_cache_tiers: list[LocalObjectRef] = Field(default_factory=list)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    index: IndexSpec = Field(default_factory=IndexSpec)
+
+
+class Condition(Model):
+    type: str
+    status: str = Field(json_schema_extra={"enum": ["True", "False", "Unknown"]})
+    reason: str = ""
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class PoolStatusEntry(Model):
+    name: str
+    role: str
+    replicas: int = 0
+    ready_replicas: int = 0
+
+
+class InferencePoolStatus(Model):
+    observed_generation: int | None = None
+    generation_tag: str | None = None
+    router_endpoint: str | None = None
+    mode: str | None = Field(default=None, description="aggregated or disaggregated")
+    pools: list[PoolStatusEntry] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+# --- PrefillPool / DecodePool ----------------------------------------------------
+
+
+class ScaleSignal(StrEnum):
+    KV_CACHE_PRESSURE = "kvCachePressure"
+    QUEUE_DEPTH = "queueDepth"
+
+
+class Autoscaling(Model):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.maxReplicas >= self.minReplicas", "maxReplicas must be >= minReplicas")
+            ]
+        }
+    )
+
+    min_replicas: Annotated[int, Field(ge=0, le=1000)] = 1
+    max_replicas: Annotated[int, Field(ge=1, le=1000)]
+    signal: ScaleSignal = ScaleSignal.KV_CACHE_PRESSURE
+    target: Annotated[float, Field(gt=0)] = Field(
+        default=0.8, description="kv cache usage (0..1) or waiting requests per replica"
+    )
+
+
+class Connector(StrEnum):
+    NIXL = "nixl"
+    MOONCAKE = "mooncake"
+    LMCACHE = "lmcache"
+
+
+class KVTransfer(Model):
+    connector: Connector = Connector.NIXL
+    side_channel_port: Annotated[int, Field(ge=1, le=65535)] = 5600
+    bootstrap_port: Annotated[int, Field(ge=1, le=65535)] = 8998
+    protocol: str = Field(default="rdma", json_schema_extra={"enum": ["rdma", "tcp"]})
+
+
+_POOL_RULES = [
+    cel("!(has(self.replicas) && has(self.autoscaling))", "set replicas or autoscaling, not both"),
+    cel(
+        "self.gpusPerReplica % self.tensorParallelSize == 0",
+        "gpusPerReplica must be a multiple of tensorParallelSize",
+    ),
+]
+
+
+class EnginePoolSpec(Model):
+    """Engine pods of one role (prefill or decode) for an InferencePool."""
+
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POOL_RULES})
+
+    pool_ref: LocalObjectRef = Field(description="the InferencePool this pool serves")
+    replicas: Annotated[int, Field(ge=0, le=1000)] | None = None
+    autoscaling: Autoscaling | None = None
+    gpus_per_replica: Annotated[int, Field(ge=1, le=64)] = 1
+    tensor_parallel_size: Annotated[int, Field(ge=1, le=64)] = 1
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[FreeForm] = Field(default_factory=list)
+    affinity: FreeForm | None = None
+    topology_spread_constraints: list[FreeForm] = Field(default_factory=list)
+    kv_transfer: KVTransfer | None = Field(
+        default=None, description="P/D transfer; defaults to NIXL when both pools exist"
+    )
+    extra_args: list[str] = Field(default_factory=list)
+    resources: FreeForm | None = Field(default=None, description="overrides; GPUs are added")
+
+    def desired_replicas(self) -> int:
+        if self.replicas is not None:
+            return self.replicas
+        return self.autoscaling.min_replicas if self.autoscaling else 1
+
+
+class EnginePoolStatus(Model):
+    observed_generation: int | None = None
+    replicas: int = 0
+    ready_replicas: int = 0
+    generation_tag: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+# --- KVCacheTier -----------------------------------------------------------------
+
+
+class TierKind(StrEnum):
+    HBM = "hbm"
+    DRAM = "dram"
+    NVME = "nvme"
+    REMOTE = "remote"
+
+
+class TierBackend(StrEnum):
+    NATIVE = "native"  # vLLM's own GPU pool / OffloadingConnector, SGLang HiCache host pool
+    LMCACHE = "lmcache"
+    MOONCAKE = "mooncake"  # Mooncake Store
+    LMCACHE_SERVER = "lmcacheServer"
+    REDIS = "redis"
+    S3 = "s3"
+
+
+class Eviction(StrEnum):
+    LRU = "lru"
+    ARC = "arc"
+
+
+class Compression(StrEnum):
+    NONE = "none"
+    CACHEGEN = "cachegen"
+    KIVI = "kivi"
+
+
+class TierVolume(Model):
+    storage_class_name: str | None = None
+    host_path: str | None = None
+    size: Annotated[str, Field(pattern=QUANTITY)] = "100Gi"
+
+
+class KVCacheTierSpec(Model):
+    """One KV cache tier: where blocks live, how fast they come back to HBM."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.tier != 'hbm' || self.backend == 'native'",
+                    "the hbm tier is the engine's own pool: backend must be native",
+                ),
+                cel(
+                    "self.tier != 'dram' || self.backend in ['native', 'lmcache']",
+                    "dram tiers use vLLM native CPU offload or LMCache",
+                ),
+                cel(
+                    "self.tier != 'nvme' || (self.backend == 'lmcache' && has(self.volume))",
+                    "nvme tiers use LMCache local disk and need a volume",
+                ),
+                cel(
+                    "self.tier != 'remote' || "
+                    "(self.backend in ['mooncake', 'lmcacheServer', 'redis', 's3'] && has(self.url))",
+                    "remote tiers use mooncake, lmcacheServer, redis or s3 and need a url",
+                ),
+            ]
+        }
+    )
+
+    tier: TierKind
+    backend: TierBackend = TierBackend.NATIVE
+    capacity_per_pod: Annotated[str, Field(pattern=QUANTITY)] = Field(
+        default="0", description="bytes per engine pod (hbm: informational)"
+    )
+    bandwidth_gbps: Annotated[float, Field(gt=0)] = Field(description="GB/s into HBM")
+    latency_ms: Annotated[float, Field(ge=0)] = 0.0
+    chunk_size: Annotated[int, Field(ge=1, le=65536)] = 256
+    compression: Compression = Compression.NONE
+    eviction_policy: Eviction = Eviction.LRU
+    volume: TierVolume | None = None
+    url: str | None = Field(default=None, description="remote store address")
+    credentials_secret_ref: LocalObjectRef | None = None
+
+
+class KVCacheTierStatus(Model):
+    observed_generation: int | None = None
+    ready: bool = False
+    endpoints: list[str] = Field(default_factory=list)
+    conditions: list[Condition] = Field(default_factory=list)
