@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+from pydantic.config import JsonDict, JsonValue
 
 GROUP = "kvplane.io"
 VERSION = "v1alpha1"
@@ -23,8 +24,14 @@ QUANTITY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|K|M|G|T|P)?$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
-def cel(rule: str, message: str) -> dict[str, str]:
+def cel(rule: str, message: str) -> JsonDict:
     return {"rule": rule, "message": message}
+
+
+def validated(*rules: JsonDict) -> ConfigDict:
+    """Model config carrying CEL rules (``x-kubernetes-validations``) for the schema."""
+    listed: list[JsonValue] = list(rules)
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": listed})
 
 
 class Model(BaseModel):
@@ -71,15 +78,11 @@ class ModelShape(Model):
 
 
 class ModelIdentity(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "has(self.shape) != has(self.kvBytesPerToken)",
-                    "set exactly one of shape and kvBytesPerToken",
-                )
-            ]
-        }
+    model_config = validated(
+        cel(
+            "has(self.shape) != has(self.kvBytesPerToken)",
+            "set exactly one of shape and kvBytesPerToken",
+        )
     )
 
     served_name: Annotated[str, Field(min_length=1, description="the `model` clients send")]
@@ -154,15 +157,11 @@ class ExternalRedis(Model):
 
 
 class IndexSpec(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "!(has(self.managed) && has(self.external))",
-                    "managed and external exclude each other",
-                )
-            ]
-        }
+    model_config = validated(
+        cel(
+            "!(has(self.managed) && has(self.external))",
+            "managed and external exclude each other",
+        )
     )
 
     managed: ManagedRedis | None = Field(
@@ -224,12 +223,8 @@ class ScaleSignal(StrEnum):
 
 
 class Autoscaling(Model):
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel("self.maxReplicas >= self.minReplicas", "maxReplicas must be >= minReplicas")
-            ]
-        }
+    model_config = validated(
+        cel("self.maxReplicas >= self.minReplicas", "maxReplicas must be >= minReplicas")
     )
 
     min_replicas: Annotated[int, Field(ge=0, le=1000)] = 1
@@ -253,19 +248,19 @@ class KVTransfer(Model):
     protocol: str = Field(default="rdma", json_schema_extra={"enum": ["rdma", "tcp"]})
 
 
-_POOL_RULES = [
-    cel("!(has(self.replicas) && has(self.autoscaling))", "set replicas or autoscaling, not both"),
-    cel(
-        "self.gpusPerReplica % self.tensorParallelSize == 0",
-        "gpusPerReplica must be a multiple of tensorParallelSize",
-    ),
-]
-
-
 class EnginePoolSpec(Model):
     """Engine pods of one role (prefill or decode) for an InferencePool."""
 
-    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": _POOL_RULES})
+    model_config = validated(
+        cel(
+            "!(has(self.replicas) && has(self.autoscaling))",
+            "set replicas or autoscaling, not both",
+        ),
+        cel(
+            "self.gpusPerReplica % self.tensorParallelSize == 0",
+            "gpusPerReplica must be a multiple of tensorParallelSize",
+        ),
+    )
 
     pool_ref: LocalObjectRef = Field(description="the InferencePool this pool serves")
     replicas: Annotated[int, Field(ge=0, le=1000)] | None = None
@@ -335,28 +330,24 @@ class TierVolume(Model):
 class KVCacheTierSpec(Model):
     """One KV cache tier: where blocks live, how fast they come back to HBM."""
 
-    model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.tier != 'hbm' || self.backend == 'native'",
-                    "the hbm tier is the engine's own pool: backend must be native",
-                ),
-                cel(
-                    "self.tier != 'dram' || self.backend in ['native', 'lmcache']",
-                    "dram tiers use vLLM native CPU offload or LMCache",
-                ),
-                cel(
-                    "self.tier != 'nvme' || (self.backend == 'lmcache' && has(self.volume))",
-                    "nvme tiers use LMCache local disk and need a volume",
-                ),
-                cel(
-                    "self.tier != 'remote' || "
-                    "(self.backend in ['mooncake', 'lmcacheServer', 'redis', 's3'] && has(self.url))",
-                    "remote tiers use mooncake, lmcacheServer, redis or s3 and need a url",
-                ),
-            ]
-        }
+    model_config = validated(
+        cel(
+            "self.tier != 'hbm' || self.backend == 'native'",
+            "the hbm tier is the engine's own pool: backend must be native",
+        ),
+        cel(
+            "self.tier != 'dram' || self.backend in ['native', 'lmcache']",
+            "dram tiers use vLLM native CPU offload or LMCache",
+        ),
+        cel(
+            "self.tier != 'nvme' || (self.backend == 'lmcache' && has(self.volume))",
+            "nvme tiers use LMCache local disk and need a volume",
+        ),
+        cel(
+            "self.tier != 'remote' || "
+            "(self.backend in ['mooncake', 'lmcacheServer', 'redis', 's3'] && has(self.url))",
+            "remote tiers use mooncake, lmcacheServer, redis or s3 and need a url",
+        ),
     )
 
     tier: TierKind
