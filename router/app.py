@@ -39,6 +39,8 @@ log = logging.getLogger("kvplane.router")
 
 def pool_generation(config: RouterConfig) -> str:
     m = config.model
+    if m.generation:
+        return m.generation
     return generation_tag(m.name, m.revision, tokenizer_fingerprint(m.tokenizer), m.block_size)
 
 

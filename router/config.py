@@ -36,6 +36,11 @@ class ModelSpec(_Strict):
         default=None, description="overrides the tokenizer's template, as vLLM's --chat-template"
     )
     kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072
+    generation: str | None = Field(
+        default=None,
+        description="the pool's generation tag (the operator sets it); by default derived "
+        "from name, revision, the tokenizer files and block size",
+    )
 
 
 class Backend(_Strict):
@@ -45,6 +50,17 @@ class Backend(_Strict):
     replay: str | None = Field(default=None, description="engine ZMQ ROUTER replay endpoint")
     topic: str = ""
     labels: dict[str, str] = Field(default_factory=dict)
+
+
+class KubernetesDiscoverySpec(_Strict):
+    """Backends are the Ready pods matching ``selector`` in ``namespace``."""
+
+    namespace: str
+    selector: str = Field(description="label selector, e.g. kvplane.io/pool=llama,kvplane.io/role")
+    http_port: Annotated[int, Field(gt=0, lt=65536)] = 8000
+    kv_events_port: Annotated[int, Field(gt=0, lt=65536)] | None = 5557
+    replay_port: Annotated[int, Field(gt=0, lt=65536)] | None = 5558
+    topic: str = ""
 
 
 class TierCost(_Strict):
@@ -86,6 +102,9 @@ class IndexSpec(_Strict):
 class RouterConfig(_Strict):
     model: ModelSpec
     backends: list[Backend] = Field(default_factory=list)
+    discovery: KubernetesDiscoverySpec | None = Field(
+        default=None, description="discover backends in Kubernetes instead of `backends`"
+    )
     policy: Policy = Policy.COST
     cost: CostParams = Field(default_factory=CostParams)
     index: IndexSpec = Field(default_factory=IndexSpec)
