@@ -50,6 +50,16 @@ def make_index(config: RouterConfig, generation: str) -> ResidencyIndex:
     return MemoryIndex()
 
 
+def make_discovery(config: RouterConfig) -> Discovery:
+    """Kubernetes pod discovery when configured, else the static backend list."""
+    if config.discovery is None:
+        return StaticDiscovery(config.backends)
+    from kvplane.router.discovery_k8s import KubernetesDiscovery
+    from kvplane.router.kube import KubeClient, load_auth
+
+    return KubernetesDiscovery(KubeClient(load_auth()), config.discovery)
+
+
 @dataclass
 class Router:
     """Everything a request handler needs, built once per process."""
@@ -121,7 +131,7 @@ def create_app(
     """The router app. ``embedded_indexer`` (default: when the index is in memory)
     runs KV event ingestion in this process."""
     router = build_router(config, index)
-    discovery = discovery or StaticDiscovery(config.backends)
+    discovery = discovery or make_discovery(config)
     embed = config.index.backend == "memory" if embedded_indexer is None else embedded_indexer
 
     @contextlib.asynccontextmanager

@@ -12,7 +12,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvplane.router.app import make_index, pool_generation
+from kvplane.router.app import make_discovery, make_index, pool_generation
 from kvplane.router.config import load_config
 from kvplane.router.kvevents.service import Indexer
 from prometheus_client import CollectorRegistry, start_http_server
@@ -44,9 +44,7 @@ async def run_indexer(config_path: str | Path, metrics_port: int) -> int:
         log.warning("indexer with an in-memory index only helps an embedded router")
     generation = pool_generation(config)
     index = make_index(config, generation)
-    indexer = Indexer(
-        index, generation=generation, block_size=config.model.block_size, backends=config.backends
-    )
+    indexer = Indexer(index, generation=generation, block_size=config.model.block_size)
     if metrics_port:
         registry = CollectorRegistry()
         registry.register(IndexerCollector(indexer))
@@ -56,8 +54,15 @@ async def run_indexer(config_path: str | Path, metrics_port: int) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await indexer.start()
-    log.info("indexer running for %d backends (generation %s)", len(config.backends), generation)
+
+    async def follow() -> None:
+        async for backends in make_discovery(config).watch():
+            await indexer.set_backends(backends)
+            log.info("indexing %d backends (generation %s)", len(backends), generation)
+
+    follower = asyncio.create_task(follow(), name="discovery")
     await stop.wait()
+    follower.cancel()
     await indexer.stop()
     await index.close()
     return 0
