@@ -7,13 +7,16 @@ VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm demo test lint typecheck unit bench-overhead
+.PHONY: setup setup-vllm setup-k8s demo test lint typecheck bench-overhead
 
 setup:
 	@bash scripts/bootstrap.sh
 
 setup-vllm: setup
 	@bash scripts/setup-vllm.sh
+
+setup-k8s:
+	@bash scripts/setup-k8s.sh >/dev/null
 
 demo: setup-vllm
 	$(VENV)/bin/kvplane demo $(DEMO_ARGS)
@@ -30,7 +33,7 @@ typecheck: setup
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml --explicit-package-bases \
 		$(ROOT)/tests
 
-test: setup-vllm lint typecheck
+test: setup-vllm setup-k8s lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench-overhead: setup

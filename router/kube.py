@@ -111,5 +111,55 @@ class KubeClient:
                 if line.strip():
                     yield json.loads(line)
 
+    async def get(self, path: str) -> dict[str, Any] | None:
+        r = await self._http.get(path)
+        if r.status_code == 404:
+            return None
+        r.raise_for_status()
+        body: dict[str, Any] = r.json()
+        return body
+
+    async def apply(self, path: str, manifest: dict[str, Any], manager: str) -> dict[str, Any]:
+        """Server-side apply: the manager owns exactly the fields it sends."""
+        r = await self._http.patch(
+            path,
+            params={"fieldManager": manager, "force": "true"},
+            content=json.dumps(manifest),
+            headers={"Content-Type": "application/apply-patch+yaml"},
+        )
+        r.raise_for_status()
+        body: dict[str, Any] = r.json()
+        return body
+
+    async def delete(self, path: str) -> bool:
+        r = await self._http.delete(path, params={"propagationPolicy": "Background"})
+        if r.status_code == 404:
+            return False
+        r.raise_for_status()
+        return True
+
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+# kind -> (API prefix, plural) for the objects the operator renders
+RESOURCES: dict[str, tuple[str, str]] = {
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "Service": ("/api/v1", "services"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Secret": ("/api/v1", "secrets"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Pod": ("/api/v1", "pods"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
+    "InferencePool": ("/apis/kvplane.io/v1alpha1", "inferencepools"),
+    "PrefillPool": ("/apis/kvplane.io/v1alpha1", "prefillpools"),
+    "DecodePool": ("/apis/kvplane.io/v1alpha1", "decodepools"),
+    "KVCacheTier": ("/apis/kvplane.io/v1alpha1", "kvcachetiers"),
+}
+
+
+def object_path(kind: str, namespace: str, name: str | None = None) -> str:
+    prefix, plural = RESOURCES[kind]
+    base = f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{base}/{name}" if name else base

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 import pytest
 from support.redis_server import RedisServer, running_redis
 
-pytest_plugins = ["support.vllm_fixtures"]
+pytest_plugins = ["support.vllm_fixtures", "support.k8s_fixtures"]
 
 
 @pytest.fixture(scope="session")
