@@ -16,6 +16,7 @@ from kvplane.operator import api
 from pydantic import BaseModel
 
 _DROP = {"title", "$defs", "discriminator"}
+_OPTIONAL = "x-kvplane-optional"  # internal marker, removed before output
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,8 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
         if len(options) != 1:
             raise ValueError(f"not structural: anyOf {any_of}")
         rest = {k: v for k, v in schema.items() if k != "anyOf"}
-        return structural({**options[0], **rest}, defs)
+        # an Optional field: absent means "not set", so it must not be defaulted to {}
+        return {**structural({**options[0], **rest}, defs), _OPTIONAL: True}
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _DROP or (key == "default" and value is None):
@@ -150,6 +152,7 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
             # objects whose fields all default: default {} so the API server fills them in
             if (
                 name not in required
+                and not sub.pop(_OPTIONAL, False)
                 and sub.get("type") == "object"
                 and "properties" in sub
                 and not sub.get("required")
@@ -159,8 +162,19 @@ def structural(schema: dict[str, Any], defs: dict[str, Any] | None = None) -> di
     return out
 
 
+def _strip_markers(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _strip_markers(v) for k, v in node.items() if k != _OPTIONAL}
+    if isinstance(node, list):
+        return [_strip_markers(v) for v in node]
+    return node
+
+
 def _schema(model: type[BaseModel]) -> dict[str, Any]:
-    return structural(model.model_json_schema(by_alias=True, mode="validation"))
+    out: dict[str, Any] = _strip_markers(
+        structural(model.model_json_schema(by_alias=True, mode="validation"))
+    )
+    return out
 
 
 def crd(kind: Kind) -> dict[str, Any]:
