@@ -1,0 +1,82 @@
+"""Every object of one InferencePool, in apply order (config and stores first).
+
+The controller's whole render step in one pure call, so what it applies is exactly
+what the golden tests pin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvplane.operator.api import EnginePoolSpec, InferencePoolSpec, KVCacheTierSpec
+from kvplane.operator.render import names, stores
+from kvplane.operator.render.engine import engine_deployment, pd_transfer
+from kvplane.operator.render.names import Role
+from kvplane.operator.render.router import indexer_objects, router_objects
+
+Json = dict[str, Any]
+
+
+def inference_pool_objects(
+    ipool_name: str,
+    namespace: str,
+    ipool: InferencePoolSpec,
+    *,
+    prefill: tuple[str, EnginePoolSpec] | None,
+    decodes: Mapping[str, EnginePoolSpec],
+    tiers: Sequence[KVCacheTierSpec],
+    default_image: str,
+    generation: str | None = None,
+) -> list[Json]:
+    """``prefill``: (PrefillPool name, spec) or None (aggregated); ``decodes``: the
+    DecodePools by name; ``generation`` defaults to :func:`names.generation_tag`."""
+    generation = generation or names.generation_tag(ipool)
+    transfer = pd_transfer(prefill[1] if prefill else None, list(decodes.values()))
+    disaggregated = prefill is not None
+    objects: list[Json] = []
+    lmcache = stores.lmcache_configmap(ipool_name, namespace, ipool, tiers)
+    if lmcache is not None:
+        objects.append(lmcache)
+    objects += stores.redis_objects(ipool_name, namespace, ipool)
+    objects += stores.mooncake_objects(ipool_name, namespace, ipool, tiers)
+    if prefill is not None:
+        name, spec = prefill
+        objects.append(
+            engine_deployment(
+                ipool_name,
+                namespace,
+                ipool,
+                name,
+                Role.PREFILL,
+                spec,
+                tiers,
+                generation,
+                transfer=transfer,
+            )
+        )
+    for name, spec in sorted(decodes.items()):
+        objects.append(
+            engine_deployment(
+                ipool_name,
+                namespace,
+                ipool,
+                name,
+                Role.DECODE,
+                spec,
+                tiers,
+                generation,
+                transfer=transfer,
+            )
+        )
+    for render in (router_objects, indexer_objects):
+        objects += render(
+            ipool_name,
+            namespace,
+            ipool,
+            tiers,
+            generation,
+            default_image=default_image,
+            disaggregated=disaggregated,
+        )
+    return objects

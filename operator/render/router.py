@@ -1,0 +1,381 @@
+"""The router and the indexer of an InferencePool, configured from its spec.
+
+Both read one ConfigMap (``router.yaml``, a RouterConfig) and find engines by
+Kubernetes discovery, so they need a ServiceAccount that may list and watch pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Final
+
+import yaml
+from kvplane.operator.api import InferencePoolSpec, KVCacheTierSpec
+from kvplane.operator.render import k8s, names, stores
+from kvplane.operator.render.names import Role
+from kvplane.operator.render.tiers import plan_tiers
+from kvplane.router.config import RouterConfig
+
+Json = dict[str, Any]
+
+CONFIG_DIR: Final = "/etc/kvplane"
+CONFIG_KEY: Final = "router.yaml"
+CONFIG_PATH: Final = f"{CONFIG_DIR}/{CONFIG_KEY}"
+MODELS_DIR: Final = "/models"
+TOKENIZER_DIR: Final = f"{MODELS_DIR}/tokenizer"
+# Where the init container sees the same emptyDir: not /models, which could shadow
+# a model directory baked into the engine image that it copies from.
+INIT_MOUNT: Final = "/kvplane-out"
+API_KEYS_DIR: Final = f"{CONFIG_DIR}/api-keys"
+# No spec value: leave the length check to the engine, which knows the model's limit.
+UNBOUNDED_MODEL_LEN: Final = 2**31 - 1
+
+# The tokenizer init container runs this with the image's python. Hub ids go through
+# huggingface_hub (a transformers dependency, so in the router image) fetching only
+# tokenizer files; a local path (weights baked into the engine image) is copied.
+TOKENIZER_FILES: Final = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+    "config.json",
+    "generation_config.json",
+)
+FETCH_TOKENIZER: Final = f"""\
+import os, shutil, sys
+src, rev, dest = (os.environ[k] for k in ("SOURCE", "REVISION", "DEST"))
+files = {list(TOKENIZER_FILES)!r}
+os.makedirs(dest, exist_ok=True)
+if os.path.isdir(src):
+    for f in files:
+        if os.path.isfile(os.path.join(src, f)):
+            shutil.copy(os.path.join(src, f), os.path.join(dest, f))
+else:
+    from huggingface_hub import snapshot_download
+    snapshot_download(src, revision=rev, local_dir=dest, allow_patterns=files)
+vocab = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+if not any(os.path.isfile(os.path.join(dest, f)) for f in vocab):
+    sys.exit(f"no tokenizer files in {{src}}@{{rev}}")
+print("tokenizer:", sorted(os.listdir(dest)))
+"""
+
+
+def discovery_selector(ipool_name: str, disaggregated: bool) -> str:
+    """Engine pods of the pool; with P/D the prefill pods too, told apart by the role
+    label that discovery copies into each backend's labels."""
+    roles = "decode,prefill" if disaggregated else "decode"
+    return f"{names.LABEL_POOL}={names.fit(ipool_name)},{names.LABEL_ROLE} in ({roles})"
+
+
+def router_config(
+    ipool_name: str,
+    namespace: str,
+    ipool: InferencePoolSpec,
+    tiers: Sequence[KVCacheTierSpec],
+    generation: str,
+    *,
+    disaggregated: bool = False,
+) -> Json:
+    """The RouterConfig as a plain dict (validated: a bad render fails here, not in
+    the router pod). Only what the operator decides is written; the rest is the
+    router's own defaults."""
+    model = ipool.model
+    route = ipool.router
+    tier_costs: Json = {}
+    plan = plan_tiers(tiers)
+    for tier in (plan.dram, plan.nvme, plan.remote):
+        if tier is not None:
+            tier_costs[tier.tier.value] = {
+                "bandwidth_gbps": tier.bandwidth_gbps,
+                "latency_ms": tier.latency_ms,
+            }
+    cost: Json = {
+        "prefill_tokens_per_s": route.cost.prefill_tokens_per_s,
+        "running_step_ms_per_request": route.cost.running_step_ms_per_request,
+        "load_cap": route.cost.load_cap,
+        "tentative_ttl_s": route.cost.tentative_ttl_s,
+    }
+    if tier_costs:
+        cost["tiers"] = tier_costs
+    config: Json = {
+        "pool": ipool_name,
+        "model": {
+            "name": model.served_name,
+            "tokenizer": TOKENIZER_DIR,
+            "revision": model.revision,
+            "block_size": ipool.engine.block_size,
+            "max_model_len": model.max_model_len or UNBOUNDED_MODEL_LEN,
+            "kv_bytes_per_token": model.kv_bytes(),
+            "generation": generation,
+        },
+        "discovery": {
+            "namespace": namespace,
+            "selector": discovery_selector(ipool_name, disaggregated),
+            "http_port": names.ENGINE_HTTP_PORT,
+            "kv_events_port": names.KV_EVENTS_PORT,
+            "replay_port": names.KV_REPLAY_PORT,
+            "topic": "",  # each pod has its own socket; its topic names the pod
+        },
+        "policy": route.policy.value,
+        "cost": cost,
+        "index": {"backend": "redis", "url": stores.index_url(ipool_name, namespace, ipool)},
+    }
+    RouterConfig.model_validate(config)
+    return config
+
+
+def router_config_yaml(config: Json) -> str:
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def config_map(ipool_name: str, namespace: str, config: Json) -> Json:
+    labels = names.object_labels(ipool_name, Role.ROUTER, "kvplane-router")
+    return k8s.config_map(
+        names.router_name(ipool_name), namespace, labels, {CONFIG_KEY: router_config_yaml(config)}
+    )
+
+
+def discovery_rbac(name: str, namespace: str, labels: dict[str, str]) -> list[Json]:
+    """Read-only access to pods of its own namespace: all discovery needs."""
+    meta = k8s.metadata(name, namespace, labels)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
+        },
+    ]
+
+
+def _index_env(ipool: InferencePoolSpec) -> list[Json]:
+    """An external index's password, from its Secret (never in the ConfigMap)."""
+    external = ipool.index.external
+    if external is None or external.password_secret_ref is None:
+        return []
+    ref = external.password_secret_ref
+    return [
+        {
+            "name": "KVPLANE_INDEX_PASSWORD",
+            "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
+        }
+    ]
+
+
+def _hub_env(ipool: InferencePoolSpec) -> list[Json]:
+    """The engines' hub settings (HF_TOKEN, HF_ENDPOINT, ...) serve the tokenizer fetch."""
+    return [dict(e) for e in ipool.engine.env if str(e.get("name", "")).startswith("HF_")]
+
+
+def _tokenizer_init(ipool: InferencePoolSpec, image: str) -> Json:
+    """Fetch the tokenizer into an emptyDir before the router starts.
+
+    An init container, not a volume of the engines' weights: the router runs on CPU
+    nodes without the model volume, and needs only a few small files. A hub id is
+    fetched with the router's own image (small, already pulled); a local path
+    exists only in the engine image, so that image copies it.
+    """
+    source = ipool.model.tokenizer or ipool.model.source
+    local = source.startswith("/")
+    return {
+        "name": "tokenizer",
+        "image": ipool.engine.image if local else image,
+        "command": ["python3", "-c", FETCH_TOKENIZER],
+        "env": [
+            {"name": "SOURCE", "value": source},
+            {"name": "REVISION", "value": ipool.model.revision},
+            {"name": "DEST", "value": f"{INIT_MOUNT}/tokenizer"},
+            *_hub_env(ipool),
+        ],
+        "volumeMounts": [{"name": "models", "mountPath": INIT_MOUNT}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}},
+    }
+
+
+def router_objects(
+    ipool_name: str,
+    namespace: str,
+    ipool: InferencePoolSpec,
+    tiers: Sequence[KVCacheTierSpec],
+    generation: str,
+    *,
+    default_image: str,
+    disaggregated: bool = False,
+) -> list[Json]:
+    """ConfigMap, RBAC, Deployment and Service of the router.
+
+    ``default_image`` is the operator's own image (it contains ``kvplane``), used
+    unless the spec names a router image.
+    """
+    config = router_config(
+        ipool_name, namespace, ipool, tiers, generation, disaggregated=disaggregated
+    )
+    cm = config_map(ipool_name, namespace, config)
+    name = names.router_name(ipool_name)
+    labels = names.object_labels(ipool_name, Role.ROUTER, "kvplane-router")
+    selector = names.selector_labels(ipool_name, Role.ROUTER)
+    image = ipool.router.image or default_image
+
+    mounts: list[Json] = [
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "models", "mountPath": MODELS_DIR, "readOnly": True},
+    ]
+    volumes: list[Json] = [
+        {"name": "config", "configMap": {"name": name}},
+        {"name": "models", "emptyDir": {"sizeLimit": "1Gi"}},
+    ]
+    if ipool.router.api_keys_secret_ref is not None:
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+        volumes.append(
+            {"name": "api-keys", "secret": {"secretName": ipool.router.api_keys_secret_ref.name}}
+        )
+    container: Json = {
+        "name": "router",
+        "image": image,
+        "command": [
+            "kvplane",
+            "router",
+            "--config",
+            CONFIG_PATH,
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(names.ROUTER_PORT),
+        ],
+        "env": _index_env(ipool),
+        "ports": [k8s.port(names.PORT_HTTP, names.ROUTER_PORT)],
+        "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "volumeMounts": mounts,
+        # Not /health: it is 503 until a backend is healthy, which would pull every
+        # router out of its Service while the engines load (clients get connection
+        # refused instead of the router's explanatory 503), and restart routers
+        # during an engine outage. Ready = accepting connections; alive = the event
+        # loop still answers HTTP (/metrics is always 200).
+        "readinessProbe": k8s.tcp_probe(names.PORT_HTTP, period=5, failures=3),
+        "livenessProbe": k8s.http_probe("/metrics", names.PORT_HTTP, period=15, failures=4),
+    }
+    if not container["env"]:
+        del container["env"]
+    pod: Json = {
+        "serviceAccountName": name,
+        "initContainers": [_tokenizer_init(ipool, image)],
+        "containers": [container],
+        "volumes": volumes,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+    }
+    pod_annotations = {
+        names.ANNOTATION_GENERATION: generation,
+        names.ANNOTATION_CONFIG_HASH: k8s.content_hash(cm["data"][CONFIG_KEY]),
+    }
+    deployment = k8s.deployment(
+        name,
+        namespace,
+        labels,
+        selector,
+        labels,
+        pod,
+        replicas=ipool.router.replicas,
+        strategy={"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        annotations={names.ANNOTATION_GENERATION: generation},
+        pod_annotations=pod_annotations,
+    )
+    svc = k8s.service(
+        name,
+        namespace,
+        labels,
+        selector,
+        [(names.PORT_HTTP, ipool.router.port, names.PORT_HTTP)],
+        service_type=ipool.router.service_type.value,
+    )
+    return [cm, *discovery_rbac(name, namespace, labels), deployment, svc]
+
+
+def indexer_objects(
+    ipool_name: str,
+    namespace: str,
+    ipool: InferencePoolSpec,
+    tiers: Sequence[KVCacheTierSpec],
+    generation: str,
+    *,
+    default_image: str,
+    disaggregated: bool = False,
+) -> list[Json]:
+    """RBAC, Deployment and metrics Service of the indexer (the router's ConfigMap).
+
+    Exactly one indexer writes the Redis index: Recreate, so a rollout never runs
+    two (both would ingest every event and fight over incarnations). It needs no
+    tokenizer: events carry token ids and the config carries the generation.
+    """
+    config = router_config(
+        ipool_name, namespace, ipool, tiers, generation, disaggregated=disaggregated
+    )
+    name = names.indexer_name(ipool_name)
+    labels = names.object_labels(ipool_name, Role.INDEXER, "kvplane-indexer")
+    selector = names.selector_labels(ipool_name, Role.INDEXER)
+    container: Json = {
+        "name": "indexer",
+        "image": ipool.router.image or default_image,
+        "command": [
+            "kvplane",
+            "indexer",
+            "--config",
+            CONFIG_PATH,
+            "--metrics-port",
+            str(names.INDEXER_METRICS_PORT),
+        ],
+        "env": _index_env(ipool),
+        "ports": [k8s.port(names.PORT_METRICS, names.INDEXER_METRICS_PORT)],
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+        "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],
+        "readinessProbe": k8s.http_probe("/metrics", names.PORT_METRICS, period=10, failures=3),
+        "livenessProbe": k8s.http_probe("/metrics", names.PORT_METRICS, period=15, failures=4),
+    }
+    if not container["env"]:
+        del container["env"]
+    pod: Json = {
+        "serviceAccountName": name,
+        "containers": [container],
+        "volumes": [{"name": "config", "configMap": {"name": names.router_name(ipool_name)}}],
+        "enableServiceLinks": False,
+    }
+    pod_annotations = {
+        names.ANNOTATION_GENERATION: generation,
+        names.ANNOTATION_CONFIG_HASH: k8s.content_hash(router_config_yaml(config)),
+    }
+    deployment = k8s.deployment(
+        name,
+        namespace,
+        labels,
+        selector,
+        labels,
+        pod,
+        replicas=1,
+        strategy=k8s.RECREATE,
+        annotations={names.ANNOTATION_GENERATION: generation},
+        pod_annotations=pod_annotations,
+    )
+    svc = k8s.service(
+        name,
+        namespace,
+        labels,
+        selector,
+        [(names.PORT_METRICS, names.INDEXER_METRICS_PORT, names.PORT_METRICS)],
+    )
+    return [*discovery_rbac(name, namespace, labels), deployment, svc]

@@ -1,0 +1,278 @@
+"""vLLM engine command line and environment for one pod role.
+
+The flags are what the router depends on: a fixed block size and a seeded,
+cross-language prefix hash (so block hashes agree across pods), KV events on fixed
+ports with a per-pod topic (so the indexer can attribute blocks), and cached-token
+usage (so the router can measure its own predictions). KV connectors come from the
+pool's P/D transfer and the InferencePool's KVCacheTiers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Final
+
+from kvplane.operator.api import (
+    Connector,
+    EnginePoolSpec,
+    Eviction,
+    InferencePoolSpec,
+    KVCacheTierSpec,
+    KVTransfer,
+    TierBackend,
+)
+from kvplane.operator.render import names
+from kvplane.operator.render.names import Role
+from kvplane.operator.render.tiers import (
+    GIB,
+    LMCACHE_CONFIG_FILE,
+    RenderError,
+    TierPlan,
+    format_number,
+    mooncake_metadata_url,
+    plan_tiers,
+    quantity_bytes,
+    store_address,
+)
+
+# Works in any vLLM image whatever its ENTRYPOINT. vLLM 0.32 marks the module
+# deprecated in favour of `vllm serve`, which parses the same flags (make_arg_parser),
+# so switching is this one line.
+COMMAND: Final = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
+
+Json = dict[str, Any]
+
+
+def _json(value: Json) -> str:
+    return json.dumps(value, separators=(",", ":"))
+
+
+def effective_transfer(role: Role, transfer: KVTransfer | None) -> KVTransfer | None:
+    """A prefill pod always transfers (NIXL unless told otherwise); a decode pod only
+    when the InferencePool is disaggregated, which the caller says by passing one."""
+    if role is Role.PREFILL and transfer is None:
+        return KVTransfer()
+    return transfer
+
+
+def check_parallelism(pool: EnginePoolSpec) -> None:
+    """One engine per pod: GPUs beyond TP would be data parallel, and DP ranks offset
+    the KV event ports (rank 1's PUB 5558 collides with the replay port)."""
+    if pool.gpus_per_replica != pool.tensor_parallel_size:
+        raise RenderError(
+            f"gpusPerReplica ({pool.gpus_per_replica}) must equal tensorParallelSize "
+            f"({pool.tensor_parallel_size}): data-parallel engines publish KV events on "
+            "one port per rank, which discovery does not follow"
+        )
+
+
+def kv_events_config(served_name: str, *, vllm: bool = True) -> Json:
+    """Bind PUB and replay on every pod (the router dials each pod), one topic per pod.
+
+    ``$(POD_NAME)`` is expanded by the kubelet from the container's env, which keeps
+    the topic unique per pod without a wrapper script.
+    """
+    config: Json = {"enable_kv_cache_events": True} if vllm else {}
+    config.update(
+        publisher="zmq",
+        endpoint=f"tcp://*:{names.KV_EVENTS_PORT}",
+        replay_endpoint=f"tcp://*:{names.KV_REPLAY_PORT}",
+        topic=f"kv@$(POD_NAME)@{served_name}",
+    )
+    return config
+
+
+def _pd_connector(role: Role, transfer: KVTransfer) -> Json:
+    if transfer.connector is Connector.NIXL:
+        # NixlConnector takes its side per request from kv_transfer_params, not from
+        # kv_role, and vLLM's NIXL docs and tests run both sides as kv_both. kv_both
+        # also keeps the consumer-only scheduler safety on (deferred block frees, the
+        # kv_fetch metrics) and lets either pod serve a plain request in full, e.g.
+        # the decode leg when the prefill pod returned no kv_transfer_params.
+        return {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+    if transfer.connector is Connector.MOONCAKE:
+        # MooncakeConnector asserts its side: the producer runs the bootstrap server.
+        return {
+            "kv_connector": "MooncakeConnector",
+            "kv_role": "kv_producer" if role is Role.PREFILL else "kv_consumer",
+            "kv_connector_extra_config": {"mooncake_protocol": transfer.protocol},
+        }
+    raise RenderError(
+        "LMCache P/D (enable_pd) needs a proxy protocol the router does not speak; "
+        "use the nixl or mooncake connector for kvTransfer"
+    )
+
+
+def _offloading_connector(tier: KVCacheTierSpec) -> Json:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "cpu_bytes_to_use": quantity_bytes(tier.capacity_per_pod),
+            "eviction_policy": tier.eviction_policy.value,
+        },
+    }
+
+
+def lmcache_pod_overrides(plan: TierPlan) -> Json:
+    """LMCache keys that differ per pod, passed as ``lmcache.<key>`` connector extras.
+
+    LMCache ignores its ``LMCACHE_*`` env once a config file is set, and Mooncake
+    Store needs this pod's address (``local_hostname``) in ``extra_config``; the
+    connector's ``lmcache.*`` extras are the one per-pod override LMCache honours,
+    and the kubelet expands ``$(POD_IP)`` in them.
+    """
+    remote = plan.remote
+    if remote is None or remote.backend is not TierBackend.MOONCAKE:
+        return {}
+    address = store_address(remote)
+    return {
+        "lmcache.extra_config": {
+            "local_hostname": "$(POD_IP)",
+            "master_server_address": address.hostport,
+            "metadata_server": mooncake_metadata_url(address),
+            "global_segment_size": quantity_bytes(remote.capacity_per_pod),
+            "local_buffer_size": 1 << 30,
+            "protocol": "tcp",
+            "device_name": "",
+        }
+    }
+
+
+def _lmcache_connector(plan: TierPlan) -> Json:
+    connector: Json = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+    overrides = lmcache_pod_overrides(plan)
+    if overrides:
+        connector["kv_connector_extra_config"] = overrides
+    return connector
+
+
+def _native_flags_suffice(plan: TierPlan, transfer: KVTransfer | None) -> bool:
+    """``--kv-offloading-size`` builds the OffloadingConnector itself, but it replaces
+    any --kv-transfer-config connector (VllmConfig._post_init_kv_transfer_config) and
+    has no eviction knob; otherwise the connector is spelled out."""
+    dram = plan.native_dram
+    return (
+        dram is not None
+        and transfer is None
+        and not plan.uses_lmcache
+        and dram.eviction_policy is Eviction.LRU
+    )
+
+
+def kv_transfer_config(
+    role: Role, transfer: KVTransfer | None, tiers: Sequence[KVCacheTierSpec]
+) -> Json | None:
+    """The --kv-transfer-config, or None when the flags (or nothing) cover it.
+
+    Several connectors go into a MultiConnector, P/D first: MultiConnector loads from
+    the first child reporting a hit, and a decode pod's remote prefill must win over
+    a partial local hit. The offload tiers follow, fastest first; all children save.
+    """
+    plan = plan_tiers(tiers)
+    children: list[Json] = []
+    if transfer is not None:
+        children.append(_pd_connector(role, transfer))
+    dram = plan.native_dram
+    if dram is not None and not _native_flags_suffice(plan, transfer):
+        children.append(_offloading_connector(dram))
+    if plan.uses_lmcache:
+        children.append(_lmcache_connector(plan))
+    if not children:
+        return None
+    if len(children) == 1:
+        return children[0]
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"connectors": children},
+    }
+
+
+def vllm_args(
+    ipool: InferencePoolSpec,
+    role: Role,
+    pool: EnginePoolSpec,
+    tiers: Sequence[KVCacheTierSpec] = (),
+    *,
+    transfer: KVTransfer | None = None,
+) -> list[str]:
+    """Arguments after :data:`COMMAND`; ``transfer`` is the InferencePool's P/D
+    transfer (see ``engine.pd_transfer``), None for an aggregated pool."""
+    transfer = effective_transfer(role, transfer)
+    model = ipool.model
+    check_parallelism(pool)
+    args = [
+        "--model",
+        model.source,
+        "--served-model-name",
+        model.served_name,
+        "--revision",
+        model.revision,
+        "--tokenizer",
+        model.tokenizer or model.source,
+        "--tensor-parallel-size",
+        str(pool.tensor_parallel_size),
+        "--block-size",
+        str(ipool.engine.block_size),
+        "--enable-prefix-caching",
+        "--prefix-caching-hash-algo",
+        names.HASH_ALGO,
+        "--kv-events-config",
+        _json(kv_events_config(model.served_name)),
+        "--port",
+        str(names.ENGINE_HTTP_PORT),
+        "--enable-prompt-tokens-details",
+    ]
+    if model.max_model_len is not None:
+        args += ["--max-model-len", str(model.max_model_len)]
+    plan = plan_tiers(tiers)
+    dram = plan.native_dram
+    if dram is not None and _native_flags_suffice(plan, transfer):
+        size = quantity_bytes(dram.capacity_per_pod) / GIB  # total over TP ranks
+        args += ["--kv-offloading-size", format_number(size), "--kv-offloading-backend", "native"]
+    connector = kv_transfer_config(role, transfer, tiers)
+    if connector is not None:
+        args += ["--kv-transfer-config", _json(connector)]
+    return args + list(ipool.engine.extra_args) + list(pool.extra_args)
+
+
+def downward_env() -> list[Json]:
+    """POD_NAME / POD_IP first, so later values and the args can use ``$(POD_IP)``."""
+    return [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+
+
+def vllm_env(
+    ipool: InferencePoolSpec,
+    role: Role,
+    pool: EnginePoolSpec,
+    tiers: Sequence[KVCacheTierSpec] = (),
+    *,
+    transfer: KVTransfer | None = None,
+) -> list[Json]:
+    """Container env: identity for hashing, connector addresses, then the spec's own."""
+    transfer = effective_transfer(role, transfer)
+    env = [
+        *downward_env(),
+        # vLLM seeds the first block's parent hash (NONE_HASH) with it: equal on all pods
+        {"name": "PYTHONHASHSEED", "value": names.python_hash_seed(ipool.engine.hash_seed)},
+    ]
+    if transfer is not None and transfer.connector is Connector.NIXL:
+        env += [
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
+            {"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(transfer.side_channel_port)},
+        ]
+    elif transfer is not None and transfer.connector is Connector.MOONCAKE:
+        # the address the transfer engine advertises to its peer
+        env.append({"name": "VLLM_HOST_IP", "value": "$(POD_IP)"})
+        if role is Role.PREFILL:
+            env.append(
+                {"name": "VLLM_MOONCAKE_BOOTSTRAP_PORT", "value": str(transfer.bootstrap_port)}
+            )
+    if plan_tiers(tiers).uses_lmcache:
+        env.append({"name": "LMCACHE_CONFIG_FILE", "value": LMCACHE_CONFIG_FILE})
+    return env + [dict(e) for e in ipool.engine.env]

@@ -1,0 +1,603 @@
+"""Rendered manifests: golden files per scenario plus properties that need no golden.
+
+Each scenario is one InferencePool with its engine pools and KV tiers, rendered by
+``inference_pool_objects`` into ``tests/golden/render/<scenario>.yaml`` (all objects,
+YAML documents in apply order). After an intended change, regenerate and review the
+diff::
+
+    KVPLANE_REGEN_GOLDEN=1 pytest tests/test_render.py
+
+The property tests below hold for every scenario and for any future golden: selectors
+are a stable subset of the pod labels, a generation change rolls pods in place, port
+names are valid and unique, GPUs match the spec. ``SCENARIOS`` is also what
+``test_render_vllm_args.py`` feeds to vLLM's own argument parser.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kvplane.operator.api import EnginePoolSpec, InferencePoolSpec, KVCacheTierSpec
+from kvplane.operator.render import (
+    RenderError,
+    Role,
+    engine_deployment,
+    generation_tag,
+    inference_pool_objects,
+    lmcache_config,
+    pd_transfer,
+    router_config,
+    sglang_args,
+    vllm_args,
+)
+from kvplane.operator.render import names as N
+from kvplane.operator.render.router import FETCH_TOKENIZER
+from kvplane.router.config import RouterConfig
+
+Json = dict[str, Any]
+
+GOLDEN = Path(__file__).resolve().parent / "golden" / "render"
+REGEN = os.environ.get("KVPLANE_REGEN_GOLDEN") == "1"
+OPERATOR_IMAGE = "ghcr.io/kvplane/kvplane:0.1.0"
+NAMESPACE = "serving"
+POOL = "llama"
+
+LLAMA: Json = {
+    "servedName": "llama-3.1-8b",
+    "source": "meta-llama/Llama-3.1-8B-Instruct",
+    "revision": "0e9e39f249a16976918f6564b8830bc894c89659",
+    "shape": {"layers": 32, "kvHeads": 8, "headDim": 128},
+}
+GPU_NODES: Json = {
+    "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+}
+DRAM_NATIVE: Json = {"tier": "dram", "backend": "native", "capacityPerPod": "64Gi"}
+DRAM_NATIVE.update(bandwidthGbps=40, latencyMs=0.05)
+HBM: Json = {"tier": "hbm", "backend": "native", "bandwidthGbps": 2000}
+MANAGED_MOONCAKE_URL = f"mooncake://{POOL}-mooncake.{NAMESPACE}.svc:50051"
+
+
+def _pool(**spec: Any) -> Json:
+    return {"poolRef": {"name": POOL}, **spec}
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One InferencePool as the API server would hand it to the operator (camelCase)."""
+
+    name: str
+    ipool: Json
+    decodes: dict[str, Json]
+    prefill: tuple[str, Json] | None = None
+    tiers: list[Json] = field(default_factory=list)
+
+    def spec(self) -> InferencePoolSpec:
+        return InferencePoolSpec.model_validate(self.ipool)
+
+    def tier_specs(self) -> list[KVCacheTierSpec]:
+        return [KVCacheTierSpec.model_validate(t) for t in self.tiers]
+
+    def prefill_spec(self) -> tuple[str, EnginePoolSpec] | None:
+        if self.prefill is None:
+            return None
+        return self.prefill[0], EnginePoolSpec.model_validate(self.prefill[1])
+
+    def decode_specs(self) -> dict[str, EnginePoolSpec]:
+        return {n: EnginePoolSpec.model_validate(d) for n, d in self.decodes.items()}
+
+    def render(self, generation: str | None = None) -> list[Json]:
+        return inference_pool_objects(
+            POOL,
+            NAMESPACE,
+            self.spec(),
+            prefill=self.prefill_spec(),
+            decodes=self.decode_specs(),
+            tiers=self.tier_specs(),
+            default_image=OPERATOR_IMAGE,
+            generation=generation,
+        )
+
+
+SCENARIOS: list[Scenario] = [
+    Scenario(
+        "vllm-aggregated",
+        {"model": LLAMA},
+        {"main": _pool(replicas=2, resources={"requests": {"cpu": "8", "memory": "64Gi"}})},
+    ),
+    Scenario(
+        "vllm-pd-nixl",
+        {
+            "model": {**LLAMA, "maxModelLen": 32768},
+            "engine": {"extraArgs": ["--gpu-memory-utilization", "0.9"]},
+        },
+        {
+            "a": _pool(
+                autoscaling={"minReplicas": 2, "maxReplicas": 8},
+                topologySpreadConstraints=[
+                    {
+                        "maxSkew": 1,
+                        "topologyKey": "kubernetes.io/hostname",
+                        "whenUnsatisfiable": "ScheduleAnyway",
+                    }
+                ],
+                **GPU_NODES,
+            ),
+            "b": _pool(replicas=1, extraArgs=["--max-num-seqs", "128"], **GPU_NODES),
+        },
+        prefill=("llama-prefill", _pool(replicas=1, gpusPerReplica=2, tensorParallelSize=2)),
+    ),
+    Scenario(
+        "vllm-pd-mooncake",
+        {"model": LLAMA},
+        {"main": _pool(replicas=2)},
+        prefill=(
+            "llama-prefill",
+            _pool(replicas=1, kvTransfer={"connector": "mooncake", "protocol": "tcp"}),
+        ),
+    ),
+    Scenario(
+        "vllm-dram-native",
+        {"model": LLAMA},
+        {"main": _pool(replicas=2)},
+        tiers=[HBM, DRAM_NATIVE],
+    ),
+    Scenario(
+        "vllm-pd-nixl-dram-arc",
+        {"model": LLAMA},
+        {"main": _pool(replicas=2)},
+        prefill=("llama-prefill", _pool(replicas=1)),
+        tiers=[{**DRAM_NATIVE, "evictionPolicy": "arc"}],
+    ),
+    Scenario(
+        "vllm-lmcache-dram-nvme",
+        {"model": LLAMA},
+        {"main": _pool(replicas=2)},
+        tiers=[
+            {
+                "tier": "dram",
+                "backend": "lmcache",
+                "capacityPerPod": "32Gi",
+                "bandwidthGbps": 40,
+                "latencyMs": 0.05,
+            },
+            {
+                "tier": "nvme",
+                "backend": "lmcache",
+                "capacityPerPod": "400Gi",
+                "bandwidthGbps": 6,
+                "latencyMs": 0.2,
+                "volume": {"storageClassName": "local-nvme", "size": "500Gi"},
+            },
+        ],
+    ),
+    Scenario(
+        "vllm-pd-lmcache-mooncake-store",
+        {"model": LLAMA},
+        {"main": _pool(replicas=2)},
+        prefill=("llama-prefill", _pool(replicas=1)),
+        tiers=[
+            {
+                "tier": "dram",
+                "backend": "lmcache",
+                "capacityPerPod": "32Gi",
+                "bandwidthGbps": 40,
+            },
+            {
+                "tier": "nvme",
+                "backend": "lmcache",
+                "bandwidthGbps": 6,
+                "volume": {"hostPath": "/mnt/nvme/kvcache", "size": "200Gi"},
+            },
+            {
+                "tier": "remote",
+                "backend": "mooncake",
+                "capacityPerPod": "16Gi",
+                "bandwidthGbps": 20,
+                "latencyMs": 1.0,
+                "compression": "cachegen",
+                "url": MANAGED_MOONCAKE_URL,
+            },
+        ],
+    ),
+    Scenario(
+        "sglang-aggregated",
+        {
+            "model": {**LLAMA, "maxModelLen": 16384},
+            "engine": {"kind": "sglang", "image": "lmsysorg/sglang:v0.5.23", "blockSize": 64},
+            "router": {"policy": "least_loaded"},
+        },
+        {"main": _pool(replicas=3)},
+    ),
+    Scenario(
+        "sglang-pd-hicache-mooncake",
+        {
+            "model": LLAMA,
+            "engine": {"kind": "sglang", "image": "lmsysorg/sglang:v0.5.23", "blockSize": 64},
+        },
+        {"main": _pool(replicas=2, gpusPerReplica=2, tensorParallelSize=2)},
+        prefill=(
+            "llama-prefill",
+            _pool(
+                replicas=1,
+                gpusPerReplica=2,
+                tensorParallelSize=2,
+                kvTransfer={"connector": "mooncake"},
+            ),
+        ),
+        tiers=[
+            {**DRAM_NATIVE, "capacityPerPod": "128Gi"},
+            {
+                "tier": "remote",
+                "backend": "mooncake",
+                "capacityPerPod": "32Gi",
+                "bandwidthGbps": 20,
+                "latencyMs": 1.0,
+                "url": MANAGED_MOONCAKE_URL,
+            },
+        ],
+    ),
+    Scenario(
+        "vllm-external-redis",
+        {
+            "model": {
+                **LLAMA,
+                "tokenizer": "/models/llama-3.1-8b",
+                "source": "/models/llama-3.1-8b",
+            },
+            "engine": {
+                "hashSeed": "42",
+                "env": [
+                    {"name": "HF_HUB_OFFLINE", "value": "1"},
+                    {"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"},
+                ],
+            },
+            "router": {
+                "replicas": 3,
+                "image": "registry.example.com/kvplane:dev",
+                "policy": "round_robin",
+                "serviceType": "LoadBalancer",
+                "port": 80,
+                "apiKeysSecretRef": {"name": "llama-api-keys"},
+                "cost": {"prefillTokensPerS": 12000, "loadCap": 3},
+            },
+            "index": {
+                "external": {
+                    "url": "rediss://redis.shared.svc:6380/2",
+                    "passwordSecretRef": {"name": "redis-auth", "key": "password"},
+                }
+            },
+        },
+        {"main": _pool(replicas=1)},
+    ),
+]
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+class _GoldenDumper(yaml.SafeDumper):
+    """Multi-line strings (router.yaml, lmcache.yaml, scripts) as readable blocks."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_GoldenDumper.add_representer(str, _str)
+
+
+def _dump(objects: list[Json]) -> str:
+    return yaml.dump_all(objects, Dumper=_GoldenDumper, sort_keys=False, width=100)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
+def test_golden(scenario: Scenario) -> None:
+    path = GOLDEN / f"{scenario.name}.yaml"
+    text = _dump(scenario.render())
+    if REGEN:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert path.is_file(), f"{path} missing: run with KVPLANE_REGEN_GOLDEN=1"
+    assert text == path.read_text(), f"{path.name} differs: review, then KVPLANE_REGEN_GOLDEN=1"
+
+
+def test_every_golden_has_a_scenario() -> None:
+    stale = {p.stem for p in GOLDEN.glob("*.yaml")} - set(BY_NAME)
+    assert not stale, f"golden files without a scenario: {sorted(stale)}"
+
+
+# --- properties over every scenario ----------------------------------------------
+
+
+def _all_objects() -> list[tuple[str, Json]]:
+    return [(s.name, o) for s in SCENARIOS for o in s.render()]
+
+
+def _deployments() -> list[tuple[str, Json]]:
+    return [(n, o) for n, o in _all_objects() if o["kind"] == "Deployment"]
+
+
+def _pod_containers(deployment: Json) -> list[Json]:
+    pod = deployment["spec"]["template"]["spec"]
+    return [*pod.get("initContainers", []), *pod["containers"]]
+
+
+def _engine_container(deployment: Json) -> Json:
+    container: Json = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["name"] == "engine"
+    return container
+
+
+def _engines(scenario: Scenario) -> list[Json]:
+    return [
+        o
+        for o in scenario.render()
+        if o["kind"] == "Deployment" and o["metadata"]["labels"][N.LABEL_ROLE] in N.ENGINE_ROLES
+    ]
+
+
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+PORT_NAME = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+
+
+def test_selectors_are_stable_subsets_of_pod_labels() -> None:
+    for scenario, dep in _deployments():
+        selector = dep["spec"]["selector"]["matchLabels"]
+        pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= pod_labels.items(), (scenario, dep["metadata"]["name"])
+        assert N.LABEL_GENERATION not in selector, (scenario, dep["metadata"]["name"])
+
+
+def test_services_select_their_deployments_pods() -> None:
+    for scenario in SCENARIOS:
+        objects = scenario.render()
+        pods = [
+            o["spec"]["template"]["metadata"]["labels"]
+            for o in objects
+            if o["kind"] == "Deployment"
+        ]
+        for svc in (o for o in objects if o["kind"] == "Service"):
+            selector = svc["spec"]["selector"]
+            assert any(selector.items() <= p.items() for p in pods), svc["metadata"]["name"]
+
+
+def test_a_generation_change_rolls_the_same_deployment() -> None:
+    for scenario in SCENARIOS:
+        before = {(o["kind"], o["metadata"]["name"]): o for o in scenario.render("aaaaaaaaaaaa")}
+        after = {(o["kind"], o["metadata"]["name"]): o for o in scenario.render("bbbbbbbbbbbb")}
+        assert before.keys() == after.keys()
+        for key, old in before.items():
+            if key[0] != "Deployment":
+                continue
+            new = after[key]
+            assert old["spec"]["selector"] == new["spec"]["selector"], key
+            labels = new["spec"]["template"]["metadata"]["labels"]
+            if labels[N.LABEL_ROLE] in (Role.REDIS, Role.MOONCAKE):
+                # stores outlive generations: index keys carry the generation and
+                # age out, while a restart would drop every cached block at once
+                assert old == new, key
+                continue
+            assert old["spec"]["template"] != new["spec"]["template"], key
+            if labels[N.LABEL_ROLE] in N.ENGINE_ROLES:
+                assert labels[N.LABEL_GENERATION] == "bbbbbbbbbbbb"
+            annotations = new["spec"]["template"]["metadata"]["annotations"]
+            assert annotations[N.ANNOTATION_GENERATION] == "bbbbbbbbbbbb"
+
+
+def test_generation_tag_tracks_model_identity() -> None:
+    base = BY_NAME["vllm-aggregated"].spec()
+    tag = generation_tag(base)
+    assert LABEL_VALUE.match(tag) and len(tag) == 12
+    assert generation_tag(InferencePoolSpec.model_validate({"model": LLAMA})) == tag
+    changes: list[Json] = [
+        {"model": {**LLAMA, "servedName": "other"}},
+        {"model": {**LLAMA, "revision": "main"}},
+        {"model": {**LLAMA, "tokenizer": "org/tok"}},
+        {"model": {**LLAMA, "source": "org/other-weights"}},
+        {"model": LLAMA, "engine": {"blockSize": 32}},
+        {"model": LLAMA, "engine": {"kind": "sglang"}},
+        {"model": LLAMA, "engine": {"hashSeed": "7"}},
+    ]
+    tags = {generation_tag(InferencePoolSpec.model_validate(c)) for c in changes}
+    assert tag not in tags and len(tags) == len(changes)
+    # not identity: image, extra args, router settings
+    same = {"model": LLAMA, "engine": {"image": "x:1", "extraArgs": ["--a"]}, "router": {"port": 1}}
+    assert generation_tag(InferencePoolSpec.model_validate(same)) == tag
+
+
+def test_port_names_are_valid_and_unique_per_pod() -> None:
+    for scenario, dep in _deployments():
+        seen: set[str] = set()
+        numbers: set[int] = set()
+        for container in _pod_containers(dep):
+            for port in container.get("ports", []):
+                name = port["name"]
+                assert len(name) <= 15 and PORT_NAME.match(name), (scenario, name)
+                assert re.search("[a-z]", name), (scenario, name)
+                assert name not in seen, (scenario, dep["metadata"]["name"], name)
+                assert port["containerPort"] not in numbers, (scenario, name)
+                seen.add(name)
+                numbers.add(port["containerPort"])
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            for container in dep["spec"]["template"]["spec"]["containers"]:
+                target = container.get(probe, {})
+                for action in ("httpGet", "tcpSocket"):
+                    if action in target:
+                        assert target[action]["port"] in seen, (scenario, probe)
+
+
+def test_names_and_label_values_fit_kubernetes_limits() -> None:
+    for scenario, obj in _all_objects():
+        meta = obj["metadata"]
+        assert len(meta["name"]) <= 63 and PORT_NAME.match(meta["name"]), (scenario, meta)
+        for value in meta["labels"].values():
+            assert len(value) <= 63 and LABEL_VALUE.match(value), (scenario, value)
+    long = "a" * 60
+    name = N.decode_name(long, "b" * 60)
+    assert len(name) == 63 and name != N.decode_name(long, "b" * 59)
+
+
+def test_gpu_limits_match_the_spec() -> None:
+    for scenario in SCENARIOS:
+        specs = {N.decode_name(POOL, n): s for n, s in scenario.decode_specs().items()}
+        prefill = scenario.prefill_spec()
+        if prefill is not None:
+            specs[N.prefill_name(POOL)] = prefill[1]
+        engines = _engines(scenario)
+        assert {e["metadata"]["name"] for e in engines} == specs.keys()
+        for dep in engines:
+            spec = specs[dep["metadata"]["name"]]
+            resources = _engine_container(dep)["resources"]
+            assert resources["limits"][N.GPU_RESOURCE] == str(spec.gpus_per_replica)
+            if "requests" in resources:
+                assert resources["requests"][N.GPU_RESOURCE] == str(spec.gpus_per_replica)
+            assert dep["spec"]["replicas"] == spec.desired_replicas()
+            args = _engine_container(dep)["args"]
+            tp_flag = "--tensor-parallel-size" if "--model" in args else "--tp-size"
+            assert args[args.index(tp_flag) + 1] == str(spec.tensor_parallel_size)
+
+
+def test_engines_agree_with_the_router_config() -> None:
+    for scenario in SCENARIOS:
+        objects = scenario.render()
+        cm = next(o for o in objects if o["kind"] == "ConfigMap" and "router.yaml" in o["data"])
+        config = RouterConfig.model_validate(yaml.safe_load(cm["data"]["router.yaml"]))
+        assert config.discovery is not None and config.index.backend == "redis"
+        assert config.model.generation == generation_tag(scenario.spec())
+        for dep in _engines(scenario):
+            container = _engine_container(dep)
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert ports[N.PORT_HTTP] == config.discovery.http_port
+            assert ports[N.PORT_KV_EVENTS] == config.discovery.kv_events_port
+            assert ports[N.PORT_KV_REPLAY] == config.discovery.replay_port
+            args = container["args"]
+            size_flag = "--block-size" if "--model" in args else "--page-size"
+            assert args[args.index(size_flag) + 1] == str(config.model.block_size)
+            labels = dep["spec"]["template"]["metadata"]["labels"]
+            assert labels[N.LABEL_POOL] in config.discovery.selector
+            assert labels[N.LABEL_ROLE] in config.discovery.selector
+        disaggregated = scenario.prefill is not None
+        assert ("prefill" in config.discovery.selector) is disaggregated
+
+
+def test_vllm_never_combines_offloading_flags_with_a_connector() -> None:
+    """--kv-offloading-size silently replaces any --kv-transfer-config connector."""
+    for scenario in SCENARIOS:
+        for dep in _engines(scenario):
+            args = _engine_container(dep)["args"]
+            assert not ("--kv-offloading-size" in args and "--kv-transfer-config" in args)
+
+
+def test_python_hash_seed_is_accepted_by_cpython() -> None:
+    assert N.python_hash_seed("42") == "42"
+    derived = N.python_hash_seed("kvplane")
+    assert derived == N.python_hash_seed("kvplane") != N.python_hash_seed("kvplane2")
+    for value in (derived, N.python_hash_seed("random"), N.python_hash_seed("99999999999")):
+        env = {**os.environ, "PYTHONHASHSEED": value}
+        subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+
+
+def test_tokenizer_fetch_copies_a_local_tokenizer(tmp_path: Path) -> None:
+    src = tmp_path / "weights"
+    src.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "model.safetensors"):
+        (src / name).write_text("{}")
+    dest = tmp_path / "models" / "tokenizer"
+    env = {**os.environ, "SOURCE": str(src), "REVISION": "main", "DEST": str(dest)}
+    subprocess.run([sys.executable, "-c", FETCH_TOKENIZER], env=env, check=True)
+    assert sorted(p.name for p in dest.iterdir()) == ["tokenizer.json", "tokenizer_config.json"]
+    (src / "tokenizer.json").unlink()
+    bad = {**env, "DEST": str(tmp_path / "empty")}
+    result = subprocess.run([sys.executable, "-c", FETCH_TOKENIZER], env=bad, capture_output=True)
+    assert result.returncode != 0 and b"no tokenizer files" in result.stderr
+
+
+def test_router_config_reads_tiers_and_index() -> None:
+    scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
+    config = router_config(POOL, NAMESPACE, scenario.spec(), scenario.tier_specs(), "g")
+    assert config["cost"]["tiers"] == {
+        "dram": {"bandwidth_gbps": 40.0, "latency_ms": 0.0},
+        "nvme": {"bandwidth_gbps": 6.0, "latency_ms": 0.0},
+        "remote": {"bandwidth_gbps": 20.0, "latency_ms": 1.0},
+    }
+    assert config["index"]["url"] == f"redis://{POOL}-redis.{NAMESPACE}.svc:6379/0"
+    assert config["model"]["kv_bytes_per_token"] == 131072
+    external = BY_NAME["vllm-external-redis"]
+    ext = router_config(POOL, NAMESPACE, external.spec(), [], "g")
+    assert ext["index"]["url"] == "rediss://redis.shared.svc:6380/2"
+    assert ext["policy"] == "round_robin" and "tiers" not in ext["cost"]
+    kinds = [o["kind"] for o in external.render()]
+    assert "Service" in kinds and not any(
+        o["metadata"]["name"] == f"{POOL}-redis" for o in external.render()
+    )
+
+
+def test_lmcache_config_from_tiers() -> None:
+    scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
+    config = yaml.safe_load(lmcache_config(scenario.tier_specs()))
+    assert config["local_cpu"] is True and config["max_local_cpu_size"] == 32
+    assert config["local_disk"] == "file:///kvcache/nvme/"
+    assert config["max_local_disk_size"] == 200  # capacity 0: the volume's size
+    assert config["remote_url"] == f"mooncakestore://{POOL}-mooncake.{NAMESPACE}.svc:50051/"
+    assert config["remote_serde"] == "cachegen" and config["enable_kv_events"] is True
+
+
+def test_managed_mooncake_only_when_the_url_names_it() -> None:
+    scenario = BY_NAME["sglang-pd-hicache-mooncake"]
+    names = {o["metadata"]["name"] for o in scenario.render()}
+    assert f"{POOL}-mooncake" in names
+    tiers = [dict(t) for t in scenario.tiers]
+    tiers[1]["url"] = "mooncake-master.storage.svc:50051"
+    external = Scenario("x", scenario.ipool, scenario.decodes, scenario.prefill, tiers)
+    assert f"{POOL}-mooncake" not in {o["metadata"]["name"] for o in external.render()}
+
+
+# --- errors: specs the schema accepts but no engine can run --------------------------
+
+
+def _ipool(**engine: Any) -> InferencePoolSpec:
+    return InferencePoolSpec.model_validate({"model": LLAMA, "engine": engine})
+
+
+def _tier(**spec: Any) -> KVCacheTierSpec:
+    return KVCacheTierSpec.model_validate({"bandwidthGbps": 10, **spec})
+
+
+def test_render_errors() -> None:
+    pool = EnginePoolSpec.model_validate(_pool(gpusPerReplica=2))
+    with pytest.raises(RenderError, match="tensorParallelSize"):
+        vllm_args(_ipool(), Role.DECODE, pool)
+    one = EnginePoolSpec.model_validate(_pool())
+    nixl = EnginePoolSpec.model_validate(_pool(kvTransfer={"connector": "nixl"}))
+    mooncake = EnginePoolSpec.model_validate(_pool(kvTransfer={"connector": "mooncake"}))
+    with pytest.raises(RenderError, match="different kvTransfer"):
+        pd_transfer(nixl, [mooncake])
+    assert pd_transfer(None, [mooncake]) is None
+    assert pd_transfer(one, [nixl, one]) == nixl.kv_transfer
+    lmcache = EnginePoolSpec.model_validate(_pool(kvTransfer={"connector": "lmcache"}))
+    with pytest.raises(RenderError, match="LMCache P/D"):
+        vllm_args(_ipool(), Role.PREFILL, lmcache, transfer=lmcache.kv_transfer)
+    dram = _tier(tier="dram", capacityPerPod="8Gi")
+    with pytest.raises(RenderError, match="more than one dram"):
+        vllm_args(_ipool(), Role.DECODE, one, [dram, dram])
+    nvme = _tier(tier="nvme", backend="lmcache", volume={"size": "1Ti"})
+    remote = _tier(tier="remote", backend="mooncake", url="mooncake://m:50051")
+    sglang = _ipool(kind="sglang")
+    with pytest.raises(RenderError, match="one storage backend"):
+        sglang_args(sglang, Role.DECODE, one, [nvme, remote])
+    s3 = _tier(tier="remote", backend="s3", url="s3://bucket/kv")
+    with pytest.raises(RenderError, match="no s3 storage backend"):
+        sglang_args(sglang, Role.DECODE, one, [s3])
+    tiny = _tier(tier="dram", capacityPerPod="512Mi")
+    with pytest.raises(RenderError, match="whole GB"):
+        sglang_args(sglang, Role.DECODE, one, [tiny])
+    with pytest.raises(RenderError, match="prefill or decode"):
+        engine_deployment(POOL, NAMESPACE, _ipool(), "r", "router", one, [], "g")
