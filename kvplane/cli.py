@@ -82,6 +82,22 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _operator(args: argparse.Namespace) -> int:
+    import kopf
+
+    import kvplane.operator.handlers  # noqa: F401  (registers the handlers)
+
+    namespaces = args.namespace or []
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=args.peering is None,
+        peering_name=args.peering,
+        liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
+    )
+    return 0
+
+
 def _crds(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -140,6 +156,18 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--per-group", type=int, default=4, help="requests per group")
     d.add_argument("--prefix-tokens", type=int, default=6000)
     d.set_defaults(handler=_demo)
+
+    op = sub.add_parser("operator", help="run the kopf operator (reconciles kvplane.io CRs)")
+    op.add_argument(
+        "--namespace",
+        action="append",
+        help="watch only this namespace (repeatable); default: the whole cluster",
+    )
+    op.add_argument(
+        "--peering", default=None, help="kopf peering name for HA (default: standalone)"
+    )
+    op.add_argument("--health-port", type=int, default=8080)
+    op.set_defaults(handler=_operator)
 
     c = sub.add_parser("crds", help="write the CRD manifests generated from the typed models")
     c.add_argument("--out", default="crds", help="directory (default: crds)")

@@ -131,6 +131,15 @@ class KubeClient:
         body: dict[str, Any] = r.json()
         return body
 
+    async def patch_status(self, path: str, status: dict[str, Any]) -> None:
+        """Merge-patch the status subresource."""
+        r = await self._http.patch(
+            f"{path}/status",
+            content=json.dumps({"status": status}),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        r.raise_for_status()
+
     async def delete(self, path: str) -> bool:
         r = await self._http.delete(path, params={"propagationPolicy": "Background"})
         if r.status_code == 404:

@@ -1,0 +1,83 @@
+"""kopf wiring: every event that can change what an InferencePool should look
+like triggers the same reconcile (``reconcile.py``)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+from kvplane.operator import api
+from kvplane.operator.reconcile import POOL_LABEL, Reconciler
+from kvplane.operator.settings import MANAGED_BY, OperatorSettings
+from kvplane.router.kube import KubeClient, load_auth, object_path
+
+log = logging.getLogger("kvplane.operator")
+
+GROUP, VERSION = api.GROUP, api.VERSION
+_settings = OperatorSettings.from_env()
+
+
+def _reconciler(kw: dict[str, Any]) -> Reconciler:
+    reconciler: Reconciler = kw["memo"].reconciler
+    return reconciler
+
+
+@kopf.on.startup()
+async def startup(*_: Any, **kw: Any) -> None:
+    settings: kopf.OperatorSettings = kw["settings"]
+    memo: kopf.Memo = kw["memo"]
+    settings.persistence.finalizer = f"{GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    memo.reconciler = Reconciler(KubeClient(load_auth()), _settings)
+
+
+@kopf.on.cleanup()
+async def cleanup(*_: Any, **kw: Any) -> None:
+    await _reconciler(kw).client.aclose()
+
+
+@kopf.on.create(GROUP, VERSION, "inferencepools")
+@kopf.on.update(GROUP, VERSION, "inferencepools")
+@kopf.on.resume(GROUP, VERSION, "inferencepools")
+async def pool_changed(*_: Any, **kw: Any) -> None:
+    await _reconciler(kw).trigger(kw["namespace"], kw["name"])
+
+
+@kopf.timer(GROUP, VERSION, "inferencepools", interval=_settings.resync_s, initial_delay=5)
+async def resync(*_: Any, **kw: Any) -> None:
+    """Drift repair: re-apply everything (server-side apply is idempotent)."""
+    await _reconciler(kw).trigger(kw["namespace"], kw["name"])
+
+
+@kopf.on.event(GROUP, VERSION, "prefillpools")
+@kopf.on.event(GROUP, VERSION, "decodepools")
+async def engine_pool_event(*_: Any, **kw: Any) -> None:
+    parent = ((kw.get("spec") or {}).get("poolRef") or {}).get("name")
+    if parent:
+        await _reconciler(kw).trigger(kw["namespace"], parent)
+
+
+@kopf.on.event(GROUP, VERSION, "kvcachetiers")
+async def tier_event(*_: Any, **kw: Any) -> None:
+    reconciler = _reconciler(kw)
+    namespace = kw["namespace"]
+    listed = await reconciler.client.list(object_path("InferencePool", namespace), {})
+    for item in listed.get("items", []):
+        refs = item.get("spec", {}).get("kvCacheTiers", [])
+        if any(r.get("name") == kw["name"] for r in refs):
+            await reconciler.trigger(namespace, item["metadata"]["name"])
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+async def owned_deployment_event(*_: Any, **kw: Any) -> None:
+    """A rollout progressed (status) or someone edited or deleted our Deployment."""
+    pool = (kw.get("labels") or {}).get(POOL_LABEL)
+    if pool:
+        await _reconciler(kw).trigger(kw["namespace"], pool)
