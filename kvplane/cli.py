@@ -86,13 +86,16 @@ def _operator(args: argparse.Namespace) -> int:
     import kopf
 
     import kvplane.operator.handlers  # noqa: F401  (registers the handlers)
+    from kvplane.operator.settings import OperatorSettings
 
-    namespaces = args.namespace or []
+    settings = OperatorSettings.from_env()
+    namespaces = args.namespace or settings.namespaces
+    peering = args.peering or settings.peering
     kopf.run(
         clusterwide=not namespaces,
         namespaces=namespaces,
-        standalone=args.peering is None,
-        peering_name=args.peering,
+        standalone=peering is None,
+        peering_name=peering,
         liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
     )
     return 0
