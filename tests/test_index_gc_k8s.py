@@ -1,0 +1,147 @@
+"""Index garbage collection driven by Kubernetes: when an engine pod goes away, its
+residency leaves Redis within seconds.
+
+Real parts throughout: a vLLM engine on loopback, a Redis server, the local
+kube-apiserver, and the indexer following the pod through Kubernetes discovery.
+The pod is bound to a node no kubelet (nor kwok) manages, and its status is
+written the way a kubelet would, with the engine's loopback address as its IP;
+kwok pods get 10.244.x addresses that must never be dialled from the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import pytest
+import redis
+from kvplane.router.config import KubernetesDiscoverySpec
+from kvplane.router.discovery_k8s import KubernetesDiscovery
+from kvplane.router.index.redis import RedisIndex
+from kvplane.router.kube import KubeClient, load_auth
+from kvplane.router.kvevents.service import Indexer
+from support.k8s_cluster import K8sCluster
+from support.redis_server import RedisServer
+from support.vllm_fixtures import EngineFactory
+
+pytestmark = [pytest.mark.k8s, pytest.mark.vllm]
+
+GEN = "gc-test"
+
+
+def fake_kubelet_node(cluster: K8sCluster, name: str) -> None:
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+    }
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(node))
+
+
+def engine_pod(cluster: K8sCluster, ns: str, name: str, node: str) -> None:
+    pod: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": ns,
+            "labels": {"kvplane.io/pool": "gc", "kvplane.io/role": "decode"},
+        },
+        "spec": {"nodeName": node, "containers": [{"name": "engine", "image": "vllm"}]},
+    }
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    status = {
+        "status": {
+            "phase": "Running",
+            "podIP": "127.0.0.1",
+            "podIPs": [{"ip": "127.0.0.1"}],
+            "hostIP": "127.0.0.1",
+            "startTime": now,
+            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+        }
+    }
+    cluster.kubectl(
+        "patch",
+        "pod",
+        name,
+        "-n",
+        ns,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps(status),
+    )
+
+
+def pod_sets(r: redis.Redis, pod: str) -> list[bytes]:
+    return list(r.scan_iter(f"kvp:{{{GEN}}}:p:{pod}:*"))
+
+
+def test_engine_pod_deletion_removes_its_residency(
+    k8s_cluster: K8sCluster,
+    k8s_namespace: str,
+    vllm_engine_factory: EngineFactory,
+    redis_server: RedisServer,
+) -> None:
+    ns, c = k8s_namespace, k8s_cluster
+    [engine] = vllm_engine_factory(["gc0"])
+    events_port = int(engine.events_endpoint.rsplit(":", 1)[1])
+    replay_port = int(engine.replay_endpoint.rsplit(":", 1)[1])
+    fake_kubelet_node(c, f"{ns}-node")
+    engine_pod(c, ns, "engine-0", f"{ns}-node")
+    r = redis.Redis.from_url(redis_server.url)
+    spec = KubernetesDiscoverySpec(
+        namespace=ns,
+        selector="kvplane.io/pool=gc,kvplane.io/role",
+        http_port=engine.port,
+        kv_events_port=events_port,
+        replay_port=replay_port,
+    )
+
+    async def scenario() -> None:
+        index = RedisIndex(redis_server.url, GEN, timeout_s=2.0)
+        indexer = Indexer(index, generation=GEN, block_size=32)
+        client = KubeClient(load_auth(str(c.kubeconfig)))
+        await indexer.start()
+
+        async def follow() -> None:
+            async for backends in KubernetesDiscovery(client, spec).watch():
+                await indexer.set_backends(backends)
+
+        follower = asyncio.create_task(follow())
+        try:
+            import httpx
+
+            async with httpx.AsyncClient(timeout=60) as http:
+                for _ in range(100):  # until the indexer has subscribed and indexed
+                    await http.post(
+                        f"{engine.url}/v1/completions",
+                        json={
+                            "model": "tiny",
+                            "prompt": "garbage collection " * 40,
+                            "max_tokens": 1,
+                        },
+                    )
+                    if pod_sets(r, "engine-0"):
+                        break
+                    await asyncio.sleep(0.2)
+            assert pod_sets(r, "engine-0"), "the engine's blocks never reached Redis"
+            assert "engine-0" in await index.incarnations()
+            c.kubectl("delete", "pod", "engine-0", "-n", ns, "--grace-period=0", "--force")
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if not pod_sets(r, "engine-0") and "engine-0" not in await index.incarnations():
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                raise AssertionError("residency of the deleted pod is still in Redis")
+        finally:
+            follower.cancel()
+            await indexer.stop()
+            await index.close()
+            await client.aclose()
+
+    asyncio.run(scenario())
