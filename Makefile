@@ -32,6 +32,8 @@ typecheck: setup
 		| sed -E "s#$(ROOT)/build/__editable__[^/]*/kvplane/(router|operator)/#\1/#; s#$(ROOT)/build/__editable__[^/]*/##"; exit $${PIPESTATUS[0]}
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml --explicit-package-bases \
 		$(ROOT)/tests
+	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
+		$(ROOT)/e2e/conftest.py $(ROOT)/e2e/test_suite.py
 
 test: setup-vllm setup-k8s lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
