@@ -3,6 +3,8 @@ like triggers the same reconcile (``reconcile.py``)."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import logging
 from typing import Any
 
@@ -10,6 +12,7 @@ import kopf
 from kvplane.operator import api
 from kvplane.operator.reconcile import POOL_LABEL, Reconciler
 from kvplane.operator.settings import MANAGED_BY, OperatorSettings
+from kvplane.router.index.redis import forget_generation
 from kvplane.router.kube import KubeClient, load_auth, object_path
 
 log = logging.getLogger("kvplane.operator")
@@ -36,10 +39,34 @@ async def startup(*_: Any, **kw: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     memo.reconciler = Reconciler(KubeClient(load_auth()), _settings)
+    memo.resync = asyncio.create_task(_resync_loop(memo.reconciler), name="kvplane-resync")
+
+
+async def _resync_loop(reconciler: Reconciler) -> None:
+    """Drift repair: re-apply every pool (server-side apply is idempotent). A plain
+    loop rather than a kopf timer, because kopf timers put a finalizer on every
+    object, and a finalizer is only warranted for cleanup outside Kubernetes."""
+    namespaces: list[str | None] = [*_settings.namespaces] or [None]
+    while True:
+        await asyncio.sleep(_settings.resync_s)
+        for ns in namespaces:
+            path = (
+                object_path("InferencePool", ns)
+                if ns
+                else f"/apis/{GROUP}/{VERSION}/inferencepools"
+            )
+            try:
+                listed = await reconciler.client.list(path, {})
+                for item in listed.get("items", []):
+                    meta = item["metadata"]
+                    await reconciler.trigger(meta["namespace"], meta["name"])
+            except Exception:  # keep repairing the others; the next round retries
+                log.exception("resync failed")
 
 
 @kopf.on.cleanup()
 async def cleanup(*_: Any, **kw: Any) -> None:
+    kw["memo"].resync.cancel()
     await _reconciler(kw).client.aclose()
 
 
@@ -47,12 +74,6 @@ async def cleanup(*_: Any, **kw: Any) -> None:
 @kopf.on.update(GROUP, VERSION, "inferencepools")
 @kopf.on.resume(GROUP, VERSION, "inferencepools")
 async def pool_changed(*_: Any, **kw: Any) -> None:
-    await _reconciler(kw).trigger(kw["namespace"], kw["name"])
-
-
-@kopf.timer(GROUP, VERSION, "inferencepools", interval=_settings.resync_s, initial_delay=5)
-async def resync(*_: Any, **kw: Any) -> None:
-    """Drift repair: re-apply everything (server-side apply is idempotent)."""
     await _reconciler(kw).trigger(kw["namespace"], kw["name"])
 
 
@@ -81,3 +102,27 @@ async def owned_deployment_event(*_: Any, **kw: Any) -> None:
     pool = (kw.get("labels") or {}).get(POOL_LABEL)
     if pool:
         await _reconciler(kw).trigger(kw["namespace"], pool)
+
+
+def _external_index(spec: Any, **_: Any) -> bool:
+    return bool((spec.get("index") or {}).get("external"))
+
+
+@kopf.on.delete(GROUP, VERSION, "inferencepools", when=_external_index)
+async def forget_external_residency(*_: Any, **kw: Any) -> None:
+    """The one cleanup outside Kubernetes: a pool's residency in an external Redis
+    (a managed Redis goes away with its Deployment). Only such pools get a finalizer."""
+    tag = (kw.get("status") or {}).get("generationTag")
+    external = kw["spec"]["index"]["external"]
+    if not tag:
+        return
+    password = None
+    ref = external.get("passwordSecretRef")
+    if ref:
+        secret = await _reconciler(kw).client.get(
+            object_path("Secret", kw["namespace"], ref["name"])
+        )
+        data = ((secret or {}).get("data") or {}).get(ref["key"])
+        password = base64.b64decode(data).decode() if data else None
+    removed = await forget_generation(external["url"], tag, password)
+    log.info("removed %d residency keys of generation %s from %s", removed, tag, external["url"])

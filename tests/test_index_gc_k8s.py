@@ -26,6 +26,8 @@ from support.k8s_cluster import K8sCluster
 from support.redis_server import RedisServer
 from support.vllm_fixtures import EngineFactory
 
+from kvplane.local.vllm_engines import VllmEngine
+
 pytestmark = [pytest.mark.k8s, pytest.mark.vllm]
 
 GEN = "gc-test"
@@ -88,10 +90,20 @@ def test_engine_pod_deletion_removes_its_residency(
 ) -> None:
     ns, c = k8s_namespace, k8s_cluster
     [engine] = vllm_engine_factory(["gc0"])
+    node = f"{ns}-node"
+    fake_kubelet_node(c, node)
+    try:
+        _scenario(c, ns, node, engine, redis_server)
+    finally:  # other tests list nodes and expect only kwok's fully described ones
+        c.kubectl("delete", "node", node, "--wait=false", check=False)
+
+
+def _scenario(
+    c: K8sCluster, ns: str, node: str, engine: VllmEngine, redis_server: RedisServer
+) -> None:
     events_port = int(engine.events_endpoint.rsplit(":", 1)[1])
     replay_port = int(engine.replay_endpoint.rsplit(":", 1)[1])
-    fake_kubelet_node(c, f"{ns}-node")
-    engine_pod(c, ns, "engine-0", f"{ns}-node")
+    engine_pod(c, ns, "engine-0", node)
     r = redis.Redis.from_url(redis_server.url)
     spec = KubernetesDiscoverySpec(
         namespace=ns,

@@ -92,6 +92,9 @@ def test_aggregated_pool_comes_up_and_reports_status(
     assert len(pods) == 2 and all(p["status"]["phase"] == "Running" for p in pods)
     assert all(p["spec"]["nodeName"].startswith("kwok-gpu") for p in pods)
     engine = deployments(c, ns)["llama-decode-main"]
+    assert "kvplane.io/finalizer" not in pool["metadata"].get("finalizers", []), (
+        "no finalizer without cleanup outside Kubernetes"
+    )
     owner = engine["metadata"]["ownerReferences"][0]
     assert owner["kind"] == "InferencePool" and owner["controller"] is True
     args = " ".join(engine["spec"]["template"]["spec"]["containers"][0]["args"])
@@ -178,3 +181,31 @@ def test_missing_references_are_reported_as_degraded(
     msg = condition(get(c, ns, "inferencepool", "broken"), "Degraded")["message"]
     assert "KVCacheTier nope not found" in msg and "no DecodePool" in msg
     assert condition(get(c, ns, "inferencepool", "broken"), "Ready")["status"] == "False"
+
+
+def test_external_index_residency_is_removed_with_the_pool(
+    operator: KopfRunner, k8s_cluster: K8sCluster, k8s_namespace: str, redis_server: Any
+) -> None:
+    """The only finalizer: a pool whose index is an external Redis cleans its keys there."""
+    import redis as redis_lib
+
+    ns, c = k8s_namespace, k8s_cluster
+    apply(
+        c,
+        ns,
+        "InferencePool",
+        "ext",
+        {"model": MODEL, "index": {"external": {"url": redis_server.url}}},
+    )
+    apply(c, ns, "DecodePool", "d", {"poolRef": {"name": "ext"}, "replicas": 1})
+    c.wait_until("Ready", lambda: ready(c, ns, "ext"), timeout_s=90)
+    pool = get(c, ns, "inferencepool", "ext")
+    assert pool is not None and "kvplane.io/finalizer" in pool["metadata"]["finalizers"]
+    tag = pool["status"]["generationTag"]
+    r = redis_lib.Redis.from_url(redis_server.url)
+    r.hset(f"kvp:{{{tag}}}:inc", "pod-a", "1")
+    r.hset(f"kvp:{{{tag}}}:b:abc", "pod-a\x1f1\x1fhbm", "0")
+    r.set("unrelated", "1")
+    c.kubectl("delete", "inferencepool", "ext", "-n", ns, "--wait=true", timeout_s=90)
+    assert not list(r.scan_iter(f"kvp:{{{tag}}}:*"))
+    assert r.get("unrelated") == b"1"

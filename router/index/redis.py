@@ -226,3 +226,21 @@ class RedisIndex:
 
     async def close(self) -> None:
         await self._r.aclose()
+
+
+async def forget_generation(url: str, generation: str, password: str | None = None) -> int:
+    """Delete every key of one generation (its pool is gone); returns how many."""
+    client: aioredis.Redis = aioredis.Redis.from_url(url, password=password)
+    removed = 0
+    try:
+        batch: list[bytes] = []
+        async for key in client.scan_iter(match=f"kvp:{{{generation}}}:*", count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                removed += await client.unlink(*batch)
+                batch = []
+        if batch:
+            removed += await client.unlink(*batch)
+    finally:
+        await client.aclose()
+    return removed
