@@ -91,7 +91,11 @@ def _operator(args: argparse.Namespace) -> int:
     settings = OperatorSettings.from_env()
     namespaces = args.namespace or settings.namespaces
     peering = args.peering or settings.peering
+    import secrets
+
     kopf.run(
+        # peers of equal priority all pause; a random one makes exactly one of them active
+        priority=secrets.randbelow(2**31 - 1) + 1 if peering else 0,
         clusterwide=not namespaces,
         namespaces=namespaces,
         standalone=peering is None,

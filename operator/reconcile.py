@@ -24,7 +24,15 @@ from pydantic import ValidationError
 log = logging.getLogger("kvplane.operator")
 
 POOL_LABEL = "kvplane.io/pool"
-PRUNABLE = ("Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding")
+PRUNABLE = (
+    "Deployment",
+    "HorizontalPodAutoscaler",
+    "Service",
+    "ConfigMap",
+    "ServiceAccount",
+    "Role",
+    "RoleBinding",
+)
 
 
 @dataclass
@@ -126,7 +134,9 @@ async def _workloads(
             continue
         name = obj["metadata"]["name"]
         live = await client.get(object_path("Deployment", namespace, name))
-        out[name] = workload_of(live, name, int(obj["spec"].get("replicas", 1)))
+        # an autoscaled Deployment's size is whatever its HPA last chose
+        wanted = obj["spec"].get("replicas", ((live or {}).get("spec") or {}).get("replicas", 1))
+        out[name] = workload_of(live, name, int(wanted))
     return out
 
 

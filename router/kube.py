@@ -159,6 +159,7 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "Secret": ("/api/v1", "secrets"),
     "ServiceAccount": ("/api/v1", "serviceaccounts"),
     "Pod": ("/api/v1", "pods"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "InferencePool": ("/apis/kvplane.io/v1alpha1", "inferencepools"),

@@ -459,7 +459,9 @@ def test_gpu_limits_match_the_spec() -> None:
             assert resources["limits"][N.GPU_RESOURCE] == str(spec.gpus_per_replica)
             if "requests" in resources:
                 assert resources["requests"][N.GPU_RESOURCE] == str(spec.gpus_per_replica)
-            assert dep["spec"]["replicas"] == spec.desired_replicas()
+            # an autoscaled pool leaves replicas to its HPA (never sent, so never fought over)
+            want = None if spec.autoscaling else spec.desired_replicas()
+            assert dep["spec"].get("replicas") == want
             args = _engine_container(dep)["args"]
             tp_flag = "--tensor-parallel-size" if "--model" in args else "--tp-size"
             assert args[args.index(tp_flag) + 1] == str(spec.tensor_parallel_size)
@@ -601,3 +603,31 @@ def test_render_errors() -> None:
         sglang_args(sglang, Role.DECODE, one, [tiny])
     with pytest.raises(RenderError, match="prefill or decode"):
         engine_deployment(POOL, NAMESPACE, _ipool(), "r", "router", one, [], "g")
+
+
+def test_autoscaled_pools_get_an_hpa_on_their_signal() -> None:
+    from kvplane.operator.render.engine import engine_autoscaler
+
+    ipool = InferencePoolSpec.model_validate(
+        {"model": {"servedName": "m", "source": "s", "kvBytesPerToken": 1}}
+    )
+    fixed = EnginePoolSpec.model_validate({"poolRef": {"name": POOL}, "replicas": 2})
+    assert engine_autoscaler(POOL, "ns", ipool, "d", N.Role.DECODE, fixed) is None
+    scaled = EnginePoolSpec.model_validate(
+        {
+            "poolRef": {"name": POOL},
+            "autoscaling": {
+                "minReplicas": 2,
+                "maxReplicas": 6,
+                "signal": "queueDepth",
+                "target": 4,
+            },
+        }
+    )
+    hpa = engine_autoscaler(POOL, "ns", ipool, "d", N.Role.DECODE, scaled)
+    assert hpa is not None and hpa["kind"] == "HorizontalPodAutoscaler"
+    assert hpa["spec"]["scaleTargetRef"]["name"] == N.decode_name(POOL, "d")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
+    pods = hpa["spec"]["metrics"][0]["pods"]
+    assert pods["metric"]["name"] == "vllm_num_requests_waiting"
+    assert pods["target"]["averageValue"] == "4000m"

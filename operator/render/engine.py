@@ -17,6 +17,7 @@ from kvplane.operator.api import (
     InferencePoolSpec,
     KVCacheTierSpec,
     KVTransfer,
+    ScaleSignal,
     TierVolume,
 )
 from kvplane.operator.render import k8s, names, sglang, stores, vllm
@@ -212,8 +213,57 @@ def engine_deployment(
         selector,
         labels,
         pod,
-        replicas=pool.desired_replicas(),
+        replicas=None if pool.autoscaling else pool.desired_replicas(),
         strategy=strategy,
         annotations=annotations,
         pod_annotations=pod_annotations,
     )
+
+
+# Per-pod engine metrics as a Prometheus adapter exposes them (":" is not allowed in
+# custom metric names, so vllm:kv_cache_usage_perc becomes vllm_kv_cache_usage_perc).
+_SCALE_METRICS = {
+    (Engine.VLLM, ScaleSignal.KV_CACHE_PRESSURE): "vllm_kv_cache_usage_perc",
+    (Engine.VLLM, ScaleSignal.QUEUE_DEPTH): "vllm_num_requests_waiting",
+    (Engine.SGLANG, ScaleSignal.KV_CACHE_PRESSURE): "sglang_token_usage",
+    (Engine.SGLANG, ScaleSignal.QUEUE_DEPTH): "sglang_num_queue_reqs",
+}
+
+
+def engine_autoscaler(
+    ipool_name: str,
+    namespace: str,
+    ipool: InferencePoolSpec,
+    pool_name: str,
+    role: Role,
+    pool: EnginePoolSpec,
+) -> Json | None:
+    """An autoscaling/v2 HPA on the pool's own signal (KV cache pressure or queue
+    depth per pod), or None for a fixed-size pool. The engine Deployment then
+    leaves ``replicas`` to the HPA."""
+    scaling = pool.autoscaling
+    if scaling is None:
+        return None
+    name = names.engine_name(ipool_name, role, pool_name)
+    metric = _SCALE_METRICS[(ipool.engine.kind, scaling.signal)]
+    target = f"{round(scaling.target * 1000)}m"
+    labels = names.object_labels(ipool_name, role, ipool.engine.kind.value, pool_name)
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": k8s.metadata(name, namespace, labels),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": max(1, scaling.min_replicas),
+            "maxReplicas": scaling.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": metric},
+                        "target": {"type": "AverageValue", "averageValue": target},
+                    },
+                }
+            ],
+        },
+    }

@@ -55,7 +55,7 @@ def deployment(
     pod_labels: Mapping[str, str],
     pod_spec: Json,
     *,
-    replicas: int,
+    replicas: int | None,
     strategy: Json,
     annotations: Mapping[str, str] | None = None,
     pod_annotations: Mapping[str, str] | None = None,
@@ -63,16 +63,18 @@ def deployment(
     template_meta: Json = {"labels": dict(pod_labels)}
     if pod_annotations:
         template_meta["annotations"] = dict(pod_annotations)
+    spec: Json = {
+        "selector": {"matchLabels": dict(selector)},
+        "strategy": strategy,
+        "template": {"metadata": template_meta, "spec": pod_spec},
+    }
+    if replicas is not None:  # None: an autoscaler owns the field, so we never send it
+        spec = {"replicas": replicas, **spec}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata(name, namespace, labels, annotations),
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": dict(selector)},
-            "strategy": strategy,
-            "template": {"metadata": template_meta, "spec": pod_spec},
-        },
+        "spec": spec,
     }
 
 

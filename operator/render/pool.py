@@ -11,7 +11,7 @@ from typing import Any
 
 from kvplane.operator.api import EnginePoolSpec, InferencePoolSpec, KVCacheTierSpec
 from kvplane.operator.render import names, stores
-from kvplane.operator.render.engine import engine_deployment, pd_transfer
+from kvplane.operator.render.engine import engine_autoscaler, engine_deployment, pd_transfer
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.router import indexer_objects, router_objects
 
@@ -40,35 +40,25 @@ def inference_pool_objects(
         objects.append(lmcache)
     objects += stores.redis_objects(ipool_name, namespace, ipool)
     objects += stores.mooncake_objects(ipool_name, namespace, ipool, tiers)
-    if prefill is not None:
-        name, spec = prefill
+    engines = [(prefill[0], Role.PREFILL, prefill[1])] if prefill is not None else []
+    engines += [(name, Role.DECODE, spec) for name, spec in sorted(decodes.items())]
+    for name, role, spec in engines:
         objects.append(
             engine_deployment(
                 ipool_name,
                 namespace,
                 ipool,
                 name,
-                Role.PREFILL,
+                role,
                 spec,
                 tiers,
                 generation,
                 transfer=transfer,
             )
         )
-    for name, spec in sorted(decodes.items()):
-        objects.append(
-            engine_deployment(
-                ipool_name,
-                namespace,
-                ipool,
-                name,
-                Role.DECODE,
-                spec,
-                tiers,
-                generation,
-                transfer=transfer,
-            )
-        )
+        hpa = engine_autoscaler(ipool_name, namespace, ipool, name, role, spec)
+        if hpa is not None:
+            objects.append(hpa)
     for render in (router_objects, indexer_objects):
         objects += render(
             ipool_name,
