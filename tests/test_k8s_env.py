@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kopf
 import pytest
 from kopf.testing import KopfRunner
 from support.k8s_cluster import GPU_RESOURCE, K8sCluster
@@ -297,6 +298,12 @@ subjects: [{{kind: ServiceAccount, name: kopf, namespace: {ns}}}]
 """
 
 
+def _fresh_registry() -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry)(kopf.login_via_client)
+    return registry
+
+
 def test_kopf_operator_with_service_account_rbac(
     k8s_cluster: K8sCluster, k8s_namespace: str, widget_crd: str, tmp_path: Path
 ) -> None:
@@ -314,7 +321,8 @@ def test_kopf_operator_with_service_account_rbac(
     args = ["run", "--standalone", f"--namespace={ns}", "--verbose", str(operator)]
     with (
         k8s_cluster.activated(kubeconfig),
-        KopfRunner(args, timeout=60) as runner,
+        # a registry of its own: other tests in this process registered kvplane handlers
+        KopfRunner(args, timeout=60, registry=_fresh_registry()) as runner,
     ):
         k8s_cluster.kubectl("apply", "-n", ns, "-f", "-", input=_widget("w1", 1, 4))
         k8s_cluster.wait_until("kopf handler annotation", annotated, timeout_s=30)

@@ -61,16 +61,7 @@ def config_for(engines: list[VllmEngine], tokenizer: Path, **extra: object) -> R
                 "block_size": BLOCK_SIZE,
                 "max_model_len": 8192,
             },
-            "backends": [
-                {
-                    "name": e.name,
-                    "url": e.url,
-                    "kv_events": e.events_endpoint,
-                    "replay": e.replay_endpoint,
-                    "topic": e.topic,
-                }
-                for e in engines
-            ],
+            "backends": [e.backend() for e in engines],
             "scrape_interval_s": 0.5,
             **extra,
         }

@@ -93,6 +93,16 @@ class VllmEngine:
     startup_s: float = 0.0  # launch to first healthy /health
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False, compare=False)
 
+    def backend(self) -> dict[str, str]:
+        """This engine as a router backend entry (RouterConfig.backends)."""
+        return {
+            "name": self.name,
+            "url": self.url,
+            "kv_events": self.events_endpoint,
+            "replay": self.replay_endpoint,
+            "topic": self.topic,
+        }
+
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 

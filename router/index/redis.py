@@ -133,9 +133,15 @@ def _text(value: bytes | str | None) -> str | None:
 class RedisIndex:
     """ResidencyIndex on Redis (redis-py asyncio, hiredis parser when installed)."""
 
-    def __init__(self, url: str, generation: str, timeout_s: float = 0.5) -> None:
+    def __init__(
+        self, url: str, generation: str, timeout_s: float = 0.5, password: str | None = None
+    ) -> None:
         self._r: aioredis.Redis = aioredis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=False
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            decode_responses=False,
+            password=password,
         )
         base = f"kvp:{{{generation}}}"
         self._inc = f"{base}:inc"
