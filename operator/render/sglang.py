@@ -7,7 +7,6 @@ bootstrap protocol; KV tiers map onto HiCache (host pool, then one storage backe
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -32,6 +31,7 @@ from kvplane.operator.render.tiers import (
 )
 from kvplane.operator.render.vllm import (
     check_parallelism,
+    compact_json,
     downward_env,
     effective_transfer,
     kv_events_config,
@@ -40,10 +40,6 @@ from kvplane.operator.render.vllm import (
 COMMAND: Final = ["python3", "-m", "sglang.launch_server"]
 
 Json = dict[str, Any]
-
-
-def _json(value: Json) -> str:
-    return json.dumps(value, separators=(",", ":"))
 
 
 def transfer_backend(transfer: KVTransfer) -> str:
@@ -98,7 +94,7 @@ def hicache_args(plan: TierPlan, tensor_parallel_size: int) -> list[str]:
             "--hicache-storage-backend",
             "mooncake",
             "--hicache-storage-backend-extra-config",
-            _json(extra),
+            compact_json(extra),
         ]
     return args
 
@@ -135,7 +131,7 @@ def sglang_args(
         "--enable-metrics",
         "--enable-cache-report",  # usage.prompt_tokens_details.cached_tokens
         "--kv-events-config",
-        _json(kv_events_config(model.served_name, vllm=False)),
+        compact_json(kv_events_config(model.served_name, vllm=False)),
     ]
     if model.max_model_len is not None:
         args += ["--context-length", str(model.max_model_len)]

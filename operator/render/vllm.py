@@ -44,7 +44,8 @@ COMMAND: Final = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
 Json = dict[str, Any]
 
 
-def _json(value: Json) -> str:
+def compact_json(value: Json) -> str:
+    """JSON for a command-line flag: no spaces, so it stays one shell word."""
     return json.dumps(value, separators=(",", ":"))
 
 
@@ -220,7 +221,7 @@ def vllm_args(
         "--prefix-caching-hash-algo",
         names.HASH_ALGO,
         "--kv-events-config",
-        _json(kv_events_config(model.served_name)),
+        compact_json(kv_events_config(model.served_name)),
         "--port",
         str(names.ENGINE_HTTP_PORT),
         "--enable-prompt-tokens-details",
@@ -234,7 +235,7 @@ def vllm_args(
         args += ["--kv-offloading-size", format_number(size), "--kv-offloading-backend", "native"]
     connector = kv_transfer_config(role, transfer, tiers)
     if connector is not None:
-        args += ["--kv-transfer-config", _json(connector)]
+        args += ["--kv-transfer-config", compact_json(connector)]
     return args + list(ipool.engine.extra_args) + list(pool.extra_args)
 
 
