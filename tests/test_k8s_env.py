@@ -3,6 +3,7 @@ garbage collection, CRDs with CEL validation, ServiceAccount tokens + RBAC, helm
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import re
@@ -298,10 +299,17 @@ subjects: [{{kind: ServiceAccount, name: kopf, namespace: {ns}}}]
 """
 
 
-def _fresh_registry() -> kopf.OperatorRegistry:
+@contextlib.contextmanager
+def _fresh_registry() -> Iterator[kopf.OperatorRegistry]:
+    """A registry of its own (other tests in this process registered kvplane's
+    handlers), restored afterwards: KopfRunner makes it the process default."""
+    previous = kopf.get_default_registry()
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(kopf.login_via_client)
-    return registry
+    try:
+        yield registry
+    finally:
+        kopf.set_default_registry(previous)
 
 
 def test_kopf_operator_with_service_account_rbac(
@@ -321,8 +329,8 @@ def test_kopf_operator_with_service_account_rbac(
     args = ["run", "--standalone", f"--namespace={ns}", "--verbose", str(operator)]
     with (
         k8s_cluster.activated(kubeconfig),
-        # a registry of its own: other tests in this process registered kvplane handlers
-        KopfRunner(args, timeout=60, registry=_fresh_registry()) as runner,
+        _fresh_registry() as registry,
+        KopfRunner(args, timeout=60, registry=registry) as runner,
     ):
         k8s_cluster.kubectl("apply", "-n", ns, "-f", "-", input=_widget("w1", 1, 4))
         k8s_cluster.wait_until("kopf handler annotation", annotated, timeout_s=30)
