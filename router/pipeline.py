@@ -160,15 +160,15 @@ class RoutingPipeline:
             )
         loads = {p: self.pool.states[p].load() for p in pods}
         cost = self.config.cost
-        anchor = sticky_anchor(keys, tokens, cost.sticky_blocks)
         policy = self.config.policy
         matches: PrefixMatches | None = None
         if policy is not Policy.COST:
+            anchor = sticky_anchor(keys, tokens, cost.sticky_blocks)
             decision = choose_baseline(policy, pods, loads, anchor, self._rr)
         else:
             matches = await self.guard.lookup(keys, pods)
             if matches is None:
-                ranked = sticky_order(anchor, pods)
+                ranked = sticky_order(sticky_anchor(keys, tokens, cost.sticky_blocks), pods)
                 decision = Decision(ranked[0], Reason.INDEX_DOWN, ranked, {})
             else:
                 decision = choose_by_cost(
