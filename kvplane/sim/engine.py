@@ -1,0 +1,449 @@
+"""The simulated engine core: vLLM v1's scheduler over a paged prefix cache, in virtual
+time (synchronous, no I/O; the HTTP server and the discrete-event mode both drive it).
+
+One :meth:`EngineCore.step` is one vLLM ``schedule()`` + forward + ``update_from_output``:
+
+1. running requests first, in order: each gets ``min(remaining tokens, budget)`` (a
+   decode gets 1, a prefill in progress its next chunk); when its blocks cannot be
+   allocated, the last running request is preempted (blocks freed, recomputed later)
+   until they can, or it was itself the one preempted;
+2. if nothing was preempted, waiting requests in FCFS order while the token budget and
+   ``max_num_seqs`` allow: prefix-cache lookup (at most ``n - 1`` prompt tokens, whole
+   blocks), then CPU-tier lookup, then blocks for the first chunk; the first request that
+   does not fit stops admission;
+3. every request whose computed tokens reach its length samples one token (generation
+   runs to ``max_tokens``: ``ignore_eos``), finished requests free their blocks.
+
+Blocks are hashed and announced (``BlockStored``) when scheduled, as vLLM does: a
+request admitted later in the same step already hits them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvplane.sim.events import AllBlocksCleared, BlockStored, KVEvent
+from kvplane.sim.hashing import chain, external_hash, hash_function, none_hash
+from kvplane.sim.kvcache import BlockMeta, BlockPool, CpuTier
+from kvplane.sim.profiles import EngineProfile
+from kvplane.sim.timing import load_ms, step_ms
+
+FINISH_LENGTH: Final = "length"
+# cached_tokens() stays answerable this many requests after they finish or are aborted
+FINISHED_MEMORY: Final = 65536
+
+
+@dataclass(slots=True)
+class SimRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    min_tokens: int = 0  # generation always runs to max_tokens (ignore_eos): deterministic
+    kv_transfer_params: dict[str, Any] | None = None  # P/D roles (later)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    duration_s: float  # modeled duration of this step (0.0 if nothing ran)
+    new_tokens: dict[str, list[int]]  # request_id -> tokens generated this step
+    first_token: list[str]  # requests whose first output token came out in this step
+    finished: dict[str, str]  # request_id -> finish_reason ("length")
+    events: list[KVEvent]  # KV events of this step: GPU pool first, then CPU tier
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Everything /metrics needs, counted as vLLM counts it."""
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1, referenced blocks (cached free blocks count as free)
+    prefix_cache_queries: int  # prompt tokens of requests at first admission
+    prefix_cache_hits: int  # of which found in the GPU prefix cache
+    prompt_tokens: int  # prompts of requests that produced their first token
+    generation_tokens: int
+    num_preemptions: int
+    request_success: dict[str, int]  # finish_reason -> count
+    external_prefix_cache_queries: int = 0  # tokens not hit on GPU, looked up in CPU
+    external_prefix_cache_hits: int = 0  # of which loaded from the CPU tier
+    prompt_tokens_cached: int = 0  # cached (GPU + CPU) prompt tokens, at first token
+    cpu_cache_usage: float = 0.0  # CPU tier occupancy, 0..1
+
+
+class _Req:
+    """Scheduler state of one request (vLLM's ``Request``)."""
+
+    __slots__ = (
+        "blocks",
+        "cached_tokens",
+        "ext",
+        "hashes",
+        "max_tokens",
+        "num_cached_blocks",
+        "num_computed",
+        "num_output",
+        "preemptions",
+        "prompt",
+        "prompt_len",
+        "request_id",
+        "running",
+        "toks",
+    )
+
+    def __init__(self, req: SimRequest, keep_tokens: bool) -> None:
+        self.request_id = req.request_id
+        self.prompt = req.prompt_token_ids
+        self.prompt_len = len(req.prompt_token_ids)
+        self.max_tokens = req.max_tokens
+        self.num_output = 0
+        self.num_computed = 0  # tokens whose KV is computed (or scheduled this step)
+        self.blocks: list[int] = []
+        self.num_cached_blocks = 0  # leading blocks already in the prefix cache
+        self.hashes: list[bytes] = []  # chained hashes of full blocks, computed once
+        self.ext: list[int] = []  # their event values
+        self.toks: list[tuple[int, ...]] | None = [] if keep_tokens else None
+        self.cached_tokens: int | None = None
+        self.preemptions = 0
+        self.running = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + self.num_output
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class EngineCore:
+    """A vLLM v1 engine core in virtual time."""
+
+    def __init__(
+        self,
+        profile: EngineProfile,
+        *,
+        hash_algo: str = "sha256",
+        hash_seed: str | None = None,
+        output_token_id: int = 0,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self._profile = profile
+        self._bs = profile.block_size
+        self._hash_fn = hash_function(hash_algo)
+        self._none_hash = none_hash(hash_algo, hash_seed)
+        self._out_tok = output_token_id
+        self._caching = enable_prefix_caching
+        cpu = None
+        if enable_prefix_caching and profile.cpu_offload_blocks > 0:
+            cpu = CpuTier(profile.cpu_offload_blocks, profile.block_size)
+        self._cpu = cpu
+        self._pool = BlockPool(
+            profile.num_gpu_blocks, enable_caching=enable_prefix_caching, cpu=cpu
+        )
+        self._max_len = min(profile.max_model_len, profile.capacity_tokens)
+        self._waiting: deque[_Req] = deque()
+        self._running: list[_Req] = []
+        self._requests: dict[str, _Req] = {}
+        self._finished_cached: OrderedDict[str, int | None] = OrderedDict()
+        self._pending_events: list[KVEvent] = []
+        self._queries = 0
+        self._hits = 0
+        self._ext_queries = 0
+        self._ext_hits = 0
+        self._prompt_tokens = 0
+        self._prompt_tokens_cached = 0
+        self._generation_tokens = 0
+        self._preemptions = 0
+        self._success: dict[str, int] = {}
+
+    @property
+    def profile(self) -> EngineProfile:
+        return self._profile
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, req: SimRequest) -> None:
+        """Queue a request (FCFS). Raises ValueError for a duplicate id, an empty prompt,
+        ``max_tokens < 1`` or a sequence that could never fit (``max_model_len`` or the
+        whole KV pool), which vLLM's frontend rejects before the engine sees it."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request {req.request_id!r} already exists")
+        if not req.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if req.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        total = len(req.prompt_token_ids) + req.max_tokens
+        if total > self._max_len:
+            raise ValueError(
+                f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.max_tokens}) "
+                f"exceeds this engine's maximum sequence length of {self._max_len}"
+            )
+        r = _Req(req, keep_tokens=self._cpu is not None)
+        self._requests[req.request_id] = r
+        self._waiting.append(r)
+
+    def cached_tokens(self, request_id: str) -> int | None:
+        """Prompt tokens served from cache (GPU or CPU) when first scheduled; None before."""
+        r = self._requests.get(request_id)
+        if r is not None:
+            return r.cached_tokens
+        return self._finished_cached.get(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request wherever it is and free its blocks (unknown ids are ignored)."""
+        r = self._requests.get(request_id)
+        if r is None:
+            return
+        if r.running:
+            self._running.remove(r)
+        else:
+            self._waiting.remove(r)
+        self._retire(r)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the GPU prefix cache (the CPU tier stays); refused while requests hold
+        blocks. ``AllBlocksCleared`` goes out with the next step's events, as in vLLM."""
+        if not self._pool.reset_prefix_cache():
+            return False
+        self._pending_events.append(AllBlocksCleared())
+        return True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_cache_usage=self._pool.usage(),
+            prefix_cache_queries=self._queries,
+            prefix_cache_hits=self._hits,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+            num_preemptions=self._preemptions,
+            request_success=dict(self._success),
+            external_prefix_cache_queries=self._ext_queries,
+            external_prefix_cache_hits=self._ext_hits,
+            prompt_tokens_cached=self._prompt_tokens_cached,
+            cpu_cache_usage=self._cpu.usage() if self._cpu is not None else 0.0,
+        )
+
+    # ---- one step -------------------------------------------------------------------
+
+    def step(self) -> StepOutput:
+        """One scheduler iteration and its forward; see the module docstring."""
+        running = self._running
+        budget = self._profile.max_num_batched_tokens
+        scheduled: list[tuple[_Req, int]] = []
+        load_tokens = 0
+        preempted = False
+
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            num_new = min(r.num_tokens - r.num_computed, budget)
+            fits = self._allocate(r, num_new)
+            while not fits:
+                victim = running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is r:
+                    break
+                fits = self._allocate(r, num_new)
+            if not fits:
+                break
+            scheduled.append((r, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            waiting = self._waiting
+            max_seqs = self._profile.max_num_seqs
+            while waiting and budget > 0 and len(running) < max_seqs:
+                r = waiting[0]
+                admitted = self._admit(r, budget)
+                if admitted is None:
+                    break
+                num_new, loaded = admitted
+                waiting.popleft()
+                r.running = True
+                running.append(r)
+                scheduled.append((r, num_new))
+                budget -= num_new
+                load_tokens += loaded
+
+        return self._execute(scheduled, load_tokens)
+
+    def _execute(self, scheduled: list[tuple[_Req, int]], load_tokens: int) -> StepOutput:
+        chunks: list[tuple[int, int]] = []
+        decodes: list[int] = []
+        new_tokens: dict[str, list[int]] = {}
+        first: list[str] = []
+        finished: dict[str, str] = {}
+        out = self._out_tok
+        for r, n in scheduled:
+            before = r.num_computed
+            total = r.num_tokens
+            if n == 1 and r.num_output and before == total - 1:
+                decodes.append(total)
+            else:
+                chunks.append((n, before))
+            r.num_computed = before + n
+            if r.num_computed < total:
+                continue  # a prefill chunk short of the end samples nothing
+            r.num_output += 1
+            new_tokens[r.request_id] = [out]
+            if r.num_output == 1:
+                first.append(r.request_id)
+                self._prompt_tokens += r.prompt_len
+                self._prompt_tokens_cached += r.cached_tokens or 0
+            if r.num_output >= r.max_tokens:
+                finished[r.request_id] = FINISH_LENGTH
+        self._generation_tokens += len(new_tokens)
+        if finished:
+            self._running = [r for r in self._running if r.request_id not in finished]
+            for rid in finished:
+                self._retire(self._requests[rid])
+                self._success[FINISH_LENGTH] = self._success.get(FINISH_LENGTH, 0) + 1
+        events = self._pending_events
+        self._pending_events = []
+        events.extend(self._pool.take_events())
+        ms = step_ms(self._profile, chunks, decodes) + load_ms(self._profile, load_tokens)
+        return StepOutput(ms / 1000.0, new_tokens, first, finished, events)
+
+    # ---- scheduling helpers ---------------------------------------------------------
+
+    def _allocate(self, r: _Req, num_new: int) -> bool:
+        """Blocks for a running request's next ``num_new`` tokens (False: no room)."""
+        end = r.num_computed + num_new
+        need = _cdiv(end, self._bs) - len(r.blocks)
+        if need > 0:
+            if need > self._pool.num_free:
+                return False
+            r.blocks.extend(self._pool.allocate(need))
+        self._cache(r, min(end, r.num_tokens))
+        return True
+
+    def _admit(self, r: _Req, budget: int) -> tuple[int, int] | None:
+        """Prefix lookup and first blocks of a waiting request: (tokens scheduled, tokens
+        loaded from the CPU tier), or None when its blocks do not fit."""
+        pool = self._pool
+        bs = self._bs
+        num_tokens = r.num_tokens
+        hits: list[int] = []
+        n_cpu = 0
+        if self._caching:
+            max_blocks = (num_tokens - 1) // bs  # the last token is always recomputed
+            self._ensure_hashes(r, max_blocks)
+            hashes = r.hashes
+            lookup = pool.lookup
+            for k in range(max_blocks):
+                b = lookup(hashes[k])
+                if b is None:
+                    break
+                hits.append(b)
+            if self._cpu is not None:
+                n_cpu = self._cpu.match(hashes, len(hits), max_blocks)
+        n_hit = len(hits)
+        local = n_hit * bs
+        loaded = n_cpu * bs
+        computed = local + loaded
+        num_new = min(num_tokens - computed, budget)
+        end = computed + num_new
+        new_blocks = _cdiv(end, bs) - n_hit
+        if new_blocks + pool.evictable(hits) > pool.num_free:
+            return None
+        pool.touch(hits)
+        hits.extend(pool.allocate(new_blocks))
+        r.blocks = hits
+        r.num_cached_blocks = n_hit
+        r.num_computed = computed
+        if self._caching and r.preemptions == 0:
+            self._queries += num_tokens
+            self._hits += local
+            if self._cpu is not None:
+                self._ext_queries += num_tokens - local
+                self._ext_hits += loaded
+        if r.cached_tokens is None:
+            r.cached_tokens = computed
+        self._cache(r, min(end, num_tokens))
+        return num_new, loaded
+
+    def _preempt(self, r: _Req) -> None:
+        """Recompute preemption: free everything, back to the head of the queue."""
+        self._pool.release(r.blocks)
+        r.blocks = []
+        r.num_computed = 0
+        r.num_cached_blocks = 0
+        r.preemptions += 1
+        r.running = False
+        self._preemptions += 1
+        self._waiting.appendleft(r)
+
+    def _retire(self, r: _Req) -> None:
+        self._pool.release(r.blocks)
+        r.blocks = []
+        r.running = False
+        del self._requests[r.request_id]
+        memory = self._finished_cached
+        memory[r.request_id] = r.cached_tokens
+        if len(memory) > FINISHED_MEMORY:
+            memory.popitem(last=False)
+
+    # ---- prefix caching -------------------------------------------------------------
+
+    def _tokens(self, r: _Req, start: int, end: int) -> list[int]:
+        """Token ids ``start:end`` of prompt + output (every output token is the same)."""
+        plen = r.prompt_len
+        if end <= plen:
+            return r.prompt[start:end]
+        head = r.prompt[start:plen] if start < plen else []
+        return head + [self._out_tok] * (end - max(start, plen))
+
+    def _ensure_hashes(self, r: _Req, n_blocks: int) -> None:
+        """Hash full blocks up to ``n_blocks`` (each block of a request hashed once)."""
+        have = len(r.hashes)
+        if have >= n_blocks:
+            return
+        bs = self._bs
+        fn = self._hash_fn
+        parent = r.hashes[-1] if have else self._none_hash
+        in_prompt = min(n_blocks, r.prompt_len // bs)
+        if have < in_prompt:
+            parent = chain(fn, parent, r.prompt, bs, have, in_prompt, r.hashes, r.toks)
+            have = in_prompt
+        if have < n_blocks:  # blocks reaching into the output
+            tokens = self._tokens(r, have * bs, n_blocks * bs)
+            chain(fn, parent, tokens, bs, 0, n_blocks - have, r.hashes, r.toks)
+        r.ext.extend(external_hash(h) for h in r.hashes[len(r.ext) :])
+
+    def _cache(self, r: _Req, num_tokens: int) -> None:
+        """Cache the request's full blocks up to ``num_tokens`` and announce them."""
+        if not self._caching:
+            return
+        bs = self._bs
+        n_full = num_tokens // bs
+        start = r.num_cached_blocks
+        if n_full <= start:
+            return
+        self._ensure_hashes(r, n_full)
+        pool = self._pool
+        hashes = r.hashes
+        blocks = r.blocks
+        ext = r.ext
+        toks = r.toks
+        parent = ext[start - 1] if start else None
+        if toks is None:
+            for k in range(start, n_full):
+                pool.insert(blocks[k], hashes[k], None)
+        else:
+            prev = parent
+            for k in range(start, n_full):
+                pool.insert(blocks[k], hashes[k], BlockMeta(prev, toks[k]))
+                prev = ext[k]
+        pool.events.append(
+            BlockStored(ext[start:n_full], parent, self._tokens(r, start * bs, n_full * bs), bs)
+        )
+        r.num_cached_blocks = n_full

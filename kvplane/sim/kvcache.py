@@ -1,0 +1,222 @@
+"""The paged KV block pool with vLLM v1 prefix caching, and an optional CPU tier.
+
+Mirrors ``vllm/v1/core/block_pool.py``:
+
+- blocks are ints; block 0 is the null block and never handed out;
+- a full block of a request gets its chained hash when its KV is scheduled and becomes
+  findable by that hash (two requests may hold copies of one hash: the map keeps every
+  copy and lookups take the oldest);
+- freed blocks (ref count 0) go to the free queue: cached ones at the tail (LRU
+  eviction), uncached ones at the head (reused first); a request frees its blocks in
+  reverse, so a prompt's tail is evicted before its head;
+- a new block comes from the head of the free queue; if it still had a hash, that hash
+  is evicted (one ``BlockRemoved`` each) and, with a CPU tier, the block is offloaded.
+
+The CPU tier is an LRU of evicted blocks (``BlockStored``/``BlockRemoved`` with medium
+"CPU", self-describing: tokens and parent hash included); a prefix found there is loaded
+back into new GPU blocks instead of being recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kvplane.sim.events import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
+from kvplane.sim.hashing import external_hash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockMeta:
+    """What a CPU-tier event needs to describe a block: its parent's event hash and
+    its tokens."""
+
+    parent: int | None
+    tokens: tuple[int, ...]
+
+
+class CpuTier:
+    """LRU of offloaded blocks keyed by block hash."""
+
+    __slots__ = ("block_size", "capacity", "entries", "events")
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        self.capacity = capacity
+        self.block_size = block_size
+        self.entries: OrderedDict[bytes, BlockMeta] = OrderedDict()
+        self.events: list[KVEvent] = []
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.entries
+
+    def offload(self, h: bytes, meta: BlockMeta) -> None:
+        """Keep a block evicted from the GPU (refreshes it when already here)."""
+        entries = self.entries
+        if h in entries:
+            entries.move_to_end(h)
+            return
+        while len(entries) >= self.capacity:
+            old, _ = entries.popitem(last=False)
+            self.events.append(BlockRemoved([external_hash(old)], MEDIUM_CPU))
+        entries[h] = meta
+        stored = BlockStored(
+            [external_hash(h)], meta.parent, list(meta.tokens), self.block_size, MEDIUM_CPU
+        )
+        self.events.append(stored)
+
+    def match(self, hashes: list[bytes], start: int, end: int) -> int:
+        """How many consecutive blocks ``hashes[start:end]`` are here; refreshes them."""
+        entries = self.entries
+        n = 0
+        for i in range(start, end):
+            h = hashes[i]
+            if h not in entries:
+                break
+            entries.move_to_end(h)
+            n += 1
+        return n
+
+    def usage(self) -> float:
+        return len(self.entries) / self.capacity if self.capacity else 0.0
+
+
+class BlockPool:
+    """GPU KV blocks: reference counts, the hash -> block map and the LRU free queue."""
+
+    __slots__ = (
+        "cached",
+        "cpu",
+        "enable_caching",
+        "events",
+        "free",
+        "hash_of",
+        "meta_of",
+        "num_blocks",
+        "ref",
+    )
+
+    def __init__(
+        self,
+        num_blocks: int,
+        *,
+        enable_caching: bool = True,
+        cpu: CpuTier | None = None,
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("a pool needs the null block and at least one more")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.cpu = cpu
+        self.ref = [0] * num_blocks
+        self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.meta_of: list[BlockMeta | None] = [None] * num_blocks
+        # block 0 is vLLM's null block: never free, never cached
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: dict[bytes, list[int]] = {}
+        self.events: list[KVEvent] = []
+
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out: never used, freed, or cached but unreferenced."""
+        return len(self.free)
+
+    def usage(self) -> float:
+        """vLLM's ``kv_cache_usage_perc``: referenced blocks over usable ones."""
+        return 1.0 - len(self.free) / (self.num_blocks - 1)
+
+    def lookup(self, h: bytes) -> int | None:
+        """The oldest GPU block holding hash ``h``."""
+        blocks = self.cached.get(h)
+        return blocks[0] if blocks else None
+
+    def evictable(self, blocks: list[int]) -> int:
+        """How many of ``blocks`` sit in the free queue (touching them takes them out)."""
+        ref = self.ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    def touch(self, blocks: list[int]) -> None:
+        """Take a reference on prefix-hit blocks."""
+        ref = self.ref
+        free = self.free
+        for b in blocks:
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` new blocks from the head of the free queue, evicting their hashes."""
+        if n > len(self.free):
+            raise ValueError(f"cannot allocate {n} blocks, {len(self.free)} free")
+        free = self.free
+        ref = self.ref
+        hash_of = self.hash_of
+        out: list[int] = []
+        for _ in range(n):
+            b, _ = free.popitem(last=False)
+            h = hash_of[b]
+            if h is not None:
+                self._evict(b, h)
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def _evict(self, b: int, h: bytes) -> None:
+        copies = self.cached[h]
+        copies.remove(b)
+        if not copies:
+            del self.cached[h]
+        self.hash_of[b] = None
+        meta = self.meta_of[b]
+        self.meta_of[b] = None
+        self.events.append(BlockRemoved([external_hash(h)]))
+        if self.cpu is not None and meta is not None:
+            self.cpu.offload(h, meta)
+
+    def insert(self, b: int, h: bytes, meta: BlockMeta | None) -> None:
+        """Make block ``b`` findable by hash ``h`` (its KV is computed this step)."""
+        self.hash_of[b] = h
+        self.meta_of[b] = meta
+        copies = self.cached.get(h)
+        if copies is None:
+            self.cached[h] = [b]
+        else:
+            copies.append(b)
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop a request's references, its tail first (vLLM frees in reverse)."""
+        ref = self.ref
+        free = self.free
+        hash_of = self.hash_of
+        first: list[int] = []
+        for b in reversed(blocks):
+            ref[b] -= 1
+            if ref[b] == 0:
+                if hash_of[b] is None:
+                    first.append(b)
+                else:
+                    free[b] = None
+        # uncached blocks are reused first, in the order freed
+        for b in reversed(first):
+            free[b] = None
+            free.move_to_end(b, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; refused (False) while any block is referenced."""
+        if len(self.free) != self.num_blocks - 1:
+            return False
+        self.cached.clear()
+        self.hash_of = [None] * self.num_blocks
+        self.meta_of = [None] * self.num_blocks
+        return True
+
+    def take_events(self) -> list[KVEvent]:
+        """This step's events: the GPU pool's, then the CPU tier's."""
+        events = self.events
+        self.events = []
+        if self.cpu is not None and self.cpu.events:
+            events.extend(self.cpu.events)
+            self.cpu.events = []
+        return events
