@@ -68,16 +68,15 @@ class CpuTier:
         self.events.append(stored)
 
     def match(self, hashes: list[bytes], start: int, end: int) -> int:
-        """How many consecutive blocks ``hashes[start:end]`` are here; refreshes them."""
+        """How many consecutive blocks ``hashes[start:end]`` are here. They are refreshed
+        tail first, so that a prefix's head is the last of them to be dropped."""
         entries = self.entries
-        n = 0
-        for i in range(start, end):
-            h = hashes[i]
-            if h not in entries:
-                break
-            entries.move_to_end(h)
-            n += 1
-        return n
+        stop = start
+        while stop < end and hashes[stop] in entries:
+            stop += 1
+        for i in range(stop - 1, start - 1, -1):
+            entries.move_to_end(hashes[i])
+        return stop - start
 
     def usage(self) -> float:
         return len(self.entries) / self.capacity if self.capacity else 0.0
