@@ -25,6 +25,7 @@ from kvplane.router.index.base import ResidencyIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.kvevents.service import Indexer
+from kvplane.router.pd.handoff import PDService
 from kvplane.router.pipeline import IndexGuard, Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
 from kvplane.router.proxy import Proxy, forward_headers
@@ -82,6 +83,7 @@ class Router:
     client: httpx.AsyncClient
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     indexer: Indexer | None = None  # embedded KV event ingestion, if any
+    pd: PDService | None = None  # the P/D path, when config.pd is set
 
 
 def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> Router:
@@ -96,7 +98,10 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     guard = IndexGuard(index, config.index.lookup_timeout_ms / 1000, metrics)
     pipeline = RoutingPipeline(config, tokenizer, guard, pool, metrics, generation)
     proxy = Proxy(client, pool, metrics, config.max_attempts)
-    return Router(config, generation, tokenizer, index, pool, metrics, pipeline, proxy, client)
+    router = Router(config, generation, tokenizer, index, pool, metrics, pipeline, proxy, client)
+    if config.pd is not None:
+        router.pd = PDService(config, pipeline, pool, index, metrics, client)
+    return router
 
 
 async def _follow_discovery(router: Router, discovery: Discovery) -> None:
@@ -184,6 +189,11 @@ def create_app(
         try:
             req = parse_request(await request.body(), kind)
             _check_model(config, req)
+            if router.pd is not None:
+                headers = forward_headers(dict(request.headers), request_id)
+                response = await router.pd.serve(req, path, headers, request_id, received)
+                status = str(response.status_code)
+                return response
             routed = await router.pipeline.route(req)
             response = await _forward(router, request, req, routed, request_id, path, received)
             status = str(response.status_code)
@@ -212,6 +222,8 @@ def create_app(
             kind = "chat" if b'"messages"' in raw else "completions"
             req = parse_request(raw, kind)
             _check_model(config, req)
+            if router.pd is not None:
+                return JSONResponse(router.pd.explain(await router.pd.route(req)))
             routed = await router.pipeline.route(req)
         except APIError as exc:
             return exc.response()

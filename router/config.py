@@ -43,13 +43,27 @@ class ModelSpec(_Strict):
     )
 
 
+class BackendRole(StrEnum):
+    """What a backend serves: whole requests (``both``), or one side of P/D."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class Backend(_Strict):
     name: str
     url: str
     kv_events: str | None = Field(default=None, description="engine ZMQ PUB endpoint")
     replay: str | None = Field(default=None, description="engine ZMQ ROUTER replay endpoint")
     topic: str = ""
-    labels: dict[str, str] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="node and zone labels place the pod for P/D links"
+    )
+    role: BackendRole = BackendRole.BOTH
+    bootstrap_port: Annotated[int, Field(gt=0, lt=65536)] | None = Field(
+        default=None, description="a prefill pod's bootstrap server; default pd.bootstrap_port"
+    )
 
 
 class KubernetesDiscoverySpec(_Strict):
@@ -93,6 +107,69 @@ class CostParams(_Strict):
     sticky_blocks: Annotated[int, Field(gt=0)] = 4
 
 
+class PDConnector(StrEnum):
+    """The engines' P/D handoff protocol (see kvplane.router.pd.protocols)."""
+
+    NIXL = "nixl"  # vLLM NixlConnector: prefill leg, then decode with its kv_transfer_params
+    MOONCAKE = "mooncake"  # vLLM MooncakeConnector: concurrent legs matched by transfer_id
+    SGLANG = "sglang"  # SGLang: bootstrap_host/port/room in the body sent to both
+
+
+class LinkClass(StrEnum):
+    """Where a prefill pod sits relative to a decode pod."""
+
+    SAME_NODE = "same_node"
+    SAME_ZONE = "same_zone"
+    CROSS_ZONE = "cross_zone"
+
+
+class LinkCost(_Strict):
+    bandwidth_gbps: Annotated[float, Field(gt=0)] = Field(description="GB/s prefill -> decode")
+    latency_ms: Annotated[float, Field(ge=0)] = 0.0
+
+
+def _default_links() -> dict[LinkClass, LinkCost]:
+    return {
+        LinkClass.SAME_NODE: LinkCost(bandwidth_gbps=100.0, latency_ms=0.05),
+        LinkClass.SAME_ZONE: LinkCost(bandwidth_gbps=40.0, latency_ms=0.2),
+        LinkClass.CROSS_ZONE: LinkCost(bandwidth_gbps=5.0, latency_ms=2.0),
+    }
+
+
+class PDSpec(_Strict):
+    """Prefill/decode disaggregation: backends with role ``prefill`` form the prefill
+    pool, ``decode`` (and ``both``) the decode pool."""
+
+    connector: PDConnector = PDConnector.NIXL
+    bootstrap_port: Annotated[int, Field(gt=0, lt=65536)] = Field(
+        default=8998, description="prefill pods' bootstrap server (mooncake, sglang)"
+    )
+    links: dict[LinkClass, LinkCost] = Field(default_factory=_default_links)
+    aggregate_max_uncached_tokens: Annotated[int, Field(ge=0)] = Field(
+        default=512,
+        description="a decode pod may prefill a request itself when it lacks at most this "
+        "many of its tokens (short prompts, prompts mostly resident there); 0 = never",
+    )
+    interference_weight: Annotated[float, Field(ge=0)] = Field(
+        default=1.0,
+        description="prefilling on a decode pod stalls its running requests: recompute ms x "
+        "running requests x this weight is added to that option",
+    )
+    decode_running_ms: Annotated[float, Field(ge=0)] = Field(
+        default=1.0, description="decode choice: penalty per running request"
+    )
+    decode_kv_weight_ms: Annotated[float, Field(ge=0)] = Field(
+        default=20.0, description="decode choice: penalty x KV cache usage (0..1)"
+    )
+    max_prefill_attempts: Annotated[int, Field(ge=1)] = Field(
+        default=2, description="prefill pods tried before prefilling on the decode pod"
+    )
+    prefill_timeout_s: Annotated[float, Field(gt=0)] = 120.0
+    bootstrap_cache_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0, description="how long a Mooncake prefill pod's engine ids are reused"
+    )
+
+
 class IndexSpec(_Strict):
     backend: str = Field(default="memory", pattern="^(memory|redis)$")
     url: str = "redis://127.0.0.1:6379/0"
@@ -113,12 +190,17 @@ class RouterConfig(_Strict):
     read_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     max_attempts: Annotated[int, Field(ge=1)] = 3
     pool: str = "default"
+    pd: PDSpec | None = Field(
+        default=None, description="prefill/decode disaggregation over backends' roles"
+    )
 
     @model_validator(mode="after")
     def _unique_backends(self) -> RouterConfig:
         names = [b.name for b in self.backends]
         if len(names) != len(set(names)):
             raise ValueError(f"backend names must be unique: {names}")
+        if self.pd is None and any(b.role is BackendRole.PREFILL for b in self.backends):
+            raise ValueError("backends with role 'prefill' need a 'pd' section")
         return self
 
 

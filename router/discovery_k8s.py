@@ -13,13 +13,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-from kvplane.router.config import Backend, KubernetesDiscoverySpec
+from kvplane.router.config import Backend, BackendRole, KubernetesDiscoverySpec
 from kvplane.router.kube import KubeClient
 
 log = logging.getLogger("kvplane.router.discovery")
 
 ROLE_LABEL = "kvplane.io/role"
 ZONE_LABEL = "topology.kubernetes.io/zone"
+# the operator's engine roles; a pod labelled prefill serves only prefill legs
+_ENGINE_ROLES = (BackendRole.PREFILL.value, BackendRole.DECODE.value)
 
 
 def pod_backend(pod: dict[str, Any], spec: KubernetesDiscoverySpec) -> Backend | None:
@@ -40,8 +42,10 @@ def pod_backend(pod: dict[str, Any], spec: KubernetesDiscoverySpec) -> Backend |
         out_labels["role"] = labels[ROLE_LABEL]
     if ZONE_LABEL in labels:
         out_labels["zone"] = labels[ZONE_LABEL]
+    role = labels.get(ROLE_LABEL, "")
     return Backend(
         name=meta["name"],
+        role=BackendRole(role) if role in _ENGINE_ROLES else BackendRole.BOTH,
         url=f"http://{host}:{spec.http_port}",
         kv_events=f"tcp://{host}:{spec.kv_events_port}" if spec.kv_events_port else None,
         replay=f"tcp://{host}:{spec.replay_port}" if spec.replay_port else None,

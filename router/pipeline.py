@@ -22,7 +22,7 @@ from kvplane.router.choice import (
     sticky_anchor,
     sticky_order,
 )
-from kvplane.router.config import Policy, RouterConfig
+from kvplane.router.config import BackendRole, Policy, RouterConfig
 from kvplane.router.errors import APIError
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
 from kvplane.router.pool import Pool
@@ -151,7 +151,12 @@ class RoutingPipeline:
     async def decide(
         self, tokens: list[int], keys: list[int], exclude: frozenset[str] = frozenset()
     ) -> Routed:
-        pods = [p for p in self.pool.healthy() if p not in exclude]
+        states = self.pool.states
+        pods = [
+            p
+            for p in self.pool.healthy()
+            if p not in exclude and states[p].backend.role is not BackendRole.PREFILL
+        ]
         if not pods:
             raise APIError(
                 503,

@@ -89,3 +89,29 @@ class RouterMetrics:
         self.inflight = Gauge(
             "kvplane_router_inflight_requests", "Requests in flight", (*lbl, "pod"), registry=r
         )
+        # prefill/decode disaggregation (kvplane.router.pd)
+        self.pd_decisions = Counter(
+            "kvplane_router_pd_decisions",
+            "P/D requests by how they were served (disaggregated or aggregated_*)",
+            (*lbl, "reason"),
+            registry=r,
+        )
+        self.pd_leg_failures = Counter(
+            "kvplane_router_pd_leg_failures",
+            "P/D legs that failed before the first byte, by what happened next",
+            (*lbl, "leg", "outcome"),
+            registry=r,
+        )
+        self.pd_transfer_bytes = Counter(
+            "kvplane_router_pd_predicted_transfer_bytes",
+            "KV bytes predicted to move from prefill to decode pods",
+            (*lbl, "link"),
+            registry=r,
+        )
+        self.pd_transfer_seconds = Histogram(
+            "kvplane_router_pd_predicted_transfer_seconds",
+            "Predicted KV transfer time per handoff",
+            (*lbl, "link"),
+            buckets=_FAST,
+            registry=r,
+        )

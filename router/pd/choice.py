@@ -1,0 +1,167 @@
+"""The joint (prefill pod, decode pod) choice, and when to skip the prefill pool.
+
+Every pair is costed (``pd.cost``) next to every decode pod prefilling the request
+itself. The decode pod may do so only when it lacks few of the prompt's tokens
+(``aggregate_max_uncached_tokens``: short prompts, or prompts mostly resident
+there); then the cheaper option wins. The result names the pods, a reason label
+shared by headers and metrics, and the rankings that retries walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from kvplane.router.choice import over_cap
+from kvplane.router.config import CostParams, PDSpec
+from kvplane.router.cost import CostTerms, PodLoad, predict
+from kvplane.router.pd.cost import OptionCost, aggregated_cost, pair_cost
+from kvplane.router.pd.topology import link_class, link_cost
+from kvplane.router.tiers import Tier
+
+
+class PDReason:
+    DISAGGREGATED = "disaggregated"
+    SHORT_PROMPT = "aggregated_short_prompt"  # the decode pod lacks few tokens: all of them
+    RESIDENT_ON_DECODE = "aggregated_resident_on_decode"  # ... because it holds most
+    PREFILL_FAILED = "aggregated_prefill_failed"  # every prefill attempt failed
+    NO_PREFILL = "aggregated_no_prefill"  # no healthy prefill pod
+    NO_KV_PARAMS = "aggregated_no_kv_params"  # the prefill pod returned nothing to hand off
+    MULTI_SEQUENCE = "aggregated_multi_sequence"  # n > 1 or a batch: a handoff has one consumer
+
+
+@dataclass(frozen=True, slots=True)
+class PDDecision:
+    reason: str
+    chosen: OptionCost
+    decode_ranked: list[str]  # decode pods for retries, best first (chosen first)
+    prefill_ranked: list[str]  # prefill pods for the chosen decode pod, best first
+    aggregated: dict[str, OptionCost]  # each decode pod prefilling alone (the fallback)
+    options: list[OptionCost] = field(default_factory=list)  # every eligible option, best first
+
+    @property
+    def decode(self) -> str:
+        return self.chosen.decode
+
+    @property
+    def prefill(self) -> str | None:
+        return self.chosen.prefill
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.chosen.disaggregated
+
+
+def _resident_tokens(match: Mapping[Tier, int], block_size: int, prompt_tokens: int) -> int:
+    return min(match.get(Tier.HBM, 0) * block_size, max(0, prompt_tokens - 1))
+
+
+def choose_pd(
+    prompt_tokens: int,
+    matches: Mapping[str, Mapping[Tier, int]],
+    prefill_loads: Mapping[str, PodLoad],
+    decode_loads: Mapping[str, PodLoad],
+    labels: Mapping[str, Mapping[str, str]],
+    params: CostParams,
+    pd: PDSpec,
+    block_size: int,
+    kv_bytes_per_token: int,
+    mean_request_tokens: float,
+    *,
+    can_aggregate: bool = True,
+    multi_sequence: bool = False,
+) -> PDDecision:
+    """Cheapest option by score; ``can_aggregate`` False (SGLang decode servers take
+    only handed-off requests) leaves pairs only. ``decode_loads`` must not be empty;
+    a pod in both maps is never paired with itself."""
+    if not decode_loads:
+        raise ValueError("no decode candidates")
+
+    def terms(pod: str, load: PodLoad) -> CostTerms:
+        return predict(
+            pod,
+            prompt_tokens,
+            dict(matches.get(pod, {})),
+            load,
+            params,
+            block_size,
+            kv_bytes_per_token,
+            mean_request_tokens,
+        )
+
+    aggregated = {d: aggregated_cost(terms(d, load), load, pd) for d, load in decode_loads.items()}
+    capped = over_cap(decode_loads, params) | over_cap(prefill_loads, params)
+
+    def key(o: OptionCost) -> tuple[bool, float, int, str, str]:
+        over = o.decode in capped or (o.prefill is not None and o.prefill in capped)
+        return (over, o.score_ms, decode_loads[o.decode].inflight, o.decode, o.prefill or "")
+
+    def agg_ranked() -> list[str]:
+        return [o.decode for o in sorted(aggregated.values(), key=key)]
+
+    if can_aggregate and (multi_sequence or not prefill_loads):
+        ranked = agg_ranked()
+        reason = PDReason.MULTI_SEQUENCE if multi_sequence else PDReason.NO_PREFILL
+        best = aggregated[ranked[0]]
+        return PDDecision(
+            reason, best, ranked, [], aggregated, sorted(aggregated.values(), key=key)
+        )
+
+    prefill_terms = {p: terms(p, load) for p, load in prefill_loads.items()}
+    pairs: dict[tuple[str, str], OptionCost] = {}
+    for d, d_load in decode_loads.items():
+        resident = _resident_tokens(matches.get(d, {}), block_size, prompt_tokens)
+        for p, p_terms in prefill_terms.items():
+            if p == d:
+                continue
+            cls = link_class(labels.get(p, {}), labels.get(d, {}))
+            pairs[(p, d)] = pair_cost(
+                p_terms,
+                d,
+                d_load,
+                resident,
+                prompt_tokens,
+                cls,
+                link_cost(cls, pd),
+                params,
+                pd,
+                kv_bytes_per_token,
+            )
+    options = list(pairs.values())
+    if can_aggregate:
+        options += [
+            o
+            for o in aggregated.values()
+            if prompt_tokens - o.prefill_terms.cached_tokens <= pd.aggregate_max_uncached_tokens
+        ]
+    if not options:  # only a pod that is both, paired with itself
+        if not can_aggregate:
+            raise ValueError("no prefill pod can serve these decode pods")
+        ranked = agg_ranked()
+        best = aggregated[ranked[0]]
+        return PDDecision(PDReason.NO_PREFILL, best, ranked, [], aggregated, [best])
+    options.sort(key=key)
+    best = options[0]
+    if best.prefill is None:
+        reason = (
+            PDReason.SHORT_PROMPT
+            if prompt_tokens <= pd.aggregate_max_uncached_tokens
+            else PDReason.RESIDENT_ON_DECODE
+        )
+        return PDDecision(reason, best, agg_ranked(), [], aggregated, options)
+
+    p = best.prefill
+
+    def decode_key(d: str) -> tuple[bool, tuple[bool, float, int, str, str]]:
+        pair = pairs.get((p, d))
+        return (pair is None, key(pair if pair is not None else aggregated[d]))
+
+    decode_ranked = sorted(decode_loads, key=decode_key)
+    prefill_ranked = [
+        o.prefill
+        for o in sorted((o for (_, d), o in pairs.items() if d == best.decode), key=key)
+        if o.prefill is not None
+    ]
+    return PDDecision(
+        PDReason.DISAGGREGATED, best, decode_ranked, prefill_ranked, aggregated, options
+    )

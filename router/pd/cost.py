@@ -1,0 +1,113 @@
+"""Predicted time to first token of one P/D option: a (prefill, decode) pair, or the
+decode pod prefilling the request itself. Pure functions over plain data.
+
+Disaggregated, the client's first token comes from the decode pod after the KV
+arrived::
+
+    ttft = prefill pod's ttft (queue + tier loads + recompute of what it lacks)
+         + transfer of the KV the decode pod lacks over the pair's link
+         + one decode step on the decode pod (slower with more running requests)
+
+Aggregated on the decode pod it is the ordinary cost (``kvplane.router.cost``).
+Both options are then scored for the choice, which adds what TTFT does not show:
+
+- interference (aggregated only): the prefill stalls every request decoding on
+  that pod, so recompute ms x running requests x ``interference_weight``;
+- balance (both, per decode pod): decode is bandwidth- and latency-bound, so a
+  pod's running requests and KV usage are penalised and new work spreads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvplane.router.config import CostParams, LinkClass, LinkCost, PDSpec
+from kvplane.router.cost import CostTerms, PodLoad
+from kvplane.router.pd.topology import transfer_ms
+
+
+@dataclass(frozen=True, slots=True)
+class OptionCost:
+    """One way to serve the request; ``prefill`` None means on ``decode`` alone."""
+
+    prefill: str | None
+    decode: str
+    prefill_terms: CostTerms  # on the prefill pod, or on the decode pod when aggregated
+    link: LinkClass | None = None
+    transfer_tokens: int = 0
+    transfer_bytes: int = 0
+    transfer_ms: float = 0.0
+    decode_ms: float = 0.0
+    interference_ms: float = 0.0
+    balance_ms: float = 0.0
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.prefill_terms.ttft_ms + self.transfer_ms + self.decode_ms
+
+    @property
+    def score_ms(self) -> float:
+        return self.ttft_ms + self.interference_ms + self.balance_ms
+
+
+def running_requests(load: PodLoad) -> float:
+    """Requests decoding on a pod: the engine's count, or the router's own if higher."""
+    return max(load.engine_running, float(load.inflight - load.pending_requests))
+
+
+def decode_step_ms(load: PodLoad, params: CostParams) -> float:
+    """The decode pod's first step for the new request (its batch slows it down; a
+    nearly full KV cache means preemptions first)."""
+    step = params.decode_step_ms + running_requests(load) * params.running_step_ms_per_request
+    if load.kv_usage >= params.kv_pressure_threshold:
+        step += params.kv_pressure_penalty_ms
+    return step
+
+
+def balance_ms(load: PodLoad, pd: PDSpec) -> float:
+    return running_requests(load) * pd.decode_running_ms + load.kv_usage * pd.decode_kv_weight_ms
+
+
+def pair_cost(
+    prefill_terms: CostTerms,
+    decode: str,
+    decode_load: PodLoad,
+    decode_resident_tokens: int,
+    prompt_tokens: int,
+    link_class: LinkClass,
+    link: LinkCost,
+    params: CostParams,
+    pd: PDSpec,
+    kv_bytes_per_token: int,
+) -> OptionCost:
+    """Prefill on ``prefill_terms.pod``, decode on ``decode``. The decode pod pulls
+    only the blocks it does not hold already (vLLM counts its local prefix hit
+    first, then loads the rest remotely)."""
+    tokens = max(0, prompt_tokens - max(0, decode_resident_tokens))
+    return OptionCost(
+        prefill=prefill_terms.pod,
+        decode=decode,
+        prefill_terms=prefill_terms,
+        link=link_class,
+        transfer_tokens=tokens,
+        transfer_bytes=tokens * kv_bytes_per_token,
+        transfer_ms=transfer_ms(tokens, kv_bytes_per_token, link),
+        decode_ms=decode_step_ms(decode_load, params),
+        balance_ms=balance_ms(decode_load, pd),
+    )
+
+
+def aggregated_cost(decode_terms: CostTerms, decode_load: PodLoad, pd: PDSpec) -> OptionCost:
+    """The decode pod prefills the request itself."""
+    interference = decode_terms.recompute_ms * running_requests(decode_load)
+    return OptionCost(
+        prefill=None,
+        decode=decode_terms.pod,
+        prefill_terms=decode_terms,
+        interference_ms=interference * pd.interference_weight,
+        balance_ms=balance_ms(decode_load, pd),
+    )
