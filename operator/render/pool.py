@@ -68,5 +68,6 @@ def inference_pool_objects(
             generation,
             default_image=default_image,
             disaggregated=disaggregated,
+            transfer=transfer,
         )
     return objects

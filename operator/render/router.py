@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 import yaml
-from kvplane.operator.api import InferencePoolSpec, KVCacheTierSpec
+from kvplane.operator.api import Connector, Engine, InferencePoolSpec, KVCacheTierSpec, KVTransfer
 from kvplane.operator.render import k8s, names, stores
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.tiers import plan_tiers
@@ -73,6 +73,19 @@ def discovery_selector(ipool_name: str, disaggregated: bool) -> str:
     return f"{names.LABEL_POOL}={names.fit(ipool_name)},{names.LABEL_ROLE} in ({roles})"
 
 
+def pd_config(ipool: InferencePoolSpec, transfer: KVTransfer) -> Json:
+    """The router's ``pd`` section: the handoff protocol the rendered engines speak
+    and the port their bootstrap servers listen on (the NIXL side channel travels
+    inside the prefill pod's answer, so the router needs no port for it)."""
+    if ipool.engine.kind is Engine.SGLANG:
+        connector = "sglang"
+    elif transfer.connector is Connector.MOONCAKE:
+        connector = "mooncake"
+    else:
+        return {"connector": "nixl"}
+    return {"connector": connector, "bootstrap_port": transfer.bootstrap_port}
+
+
 def router_config(
     ipool_name: str,
     namespace: str,
@@ -81,6 +94,7 @@ def router_config(
     generation: str,
     *,
     disaggregated: bool = False,
+    transfer: KVTransfer | None = None,
 ) -> Json:
     """The RouterConfig as a plain dict (validated: a bad render fails here, not in
     the router pod). Only what the operator decides is written; the rest is the
@@ -126,6 +140,9 @@ def router_config(
         "cost": cost,
         "index": {"backend": "redis", "url": stores.index_url(ipool_name, namespace, ipool)},
     }
+    if disaggregated:
+        # without it the router would send whole requests to prefill pods
+        config["pd"] = pd_config(ipool, transfer or KVTransfer())
     RouterConfig.model_validate(config)
     return config
 
@@ -217,6 +234,7 @@ def router_objects(
     *,
     default_image: str,
     disaggregated: bool = False,
+    transfer: KVTransfer | None = None,
 ) -> list[Json]:
     """ConfigMap, RBAC, Deployment and Service of the router.
 
@@ -224,7 +242,13 @@ def router_objects(
     unless the spec names a router image.
     """
     config = router_config(
-        ipool_name, namespace, ipool, tiers, generation, disaggregated=disaggregated
+        ipool_name,
+        namespace,
+        ipool,
+        tiers,
+        generation,
+        disaggregated=disaggregated,
+        transfer=transfer,
     )
     cm = config_map(ipool_name, namespace, config)
     name = names.router_name(ipool_name)
@@ -316,6 +340,7 @@ def indexer_objects(
     *,
     default_image: str,
     disaggregated: bool = False,
+    transfer: KVTransfer | None = None,
 ) -> list[Json]:
     """RBAC, Deployment and metrics Service of the indexer (the router's ConfigMap).
 
@@ -324,7 +349,13 @@ def indexer_objects(
     tokenizer: events carry token ids and the config carries the generation.
     """
     config = router_config(
-        ipool_name, namespace, ipool, tiers, generation, disaggregated=disaggregated
+        ipool_name,
+        namespace,
+        ipool,
+        tiers,
+        generation,
+        disaggregated=disaggregated,
+        transfer=transfer,
     )
     name = names.indexer_name(ipool_name)
     labels = names.object_labels(ipool_name, Role.INDEXER, "kvplane-indexer")
