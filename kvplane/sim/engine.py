@@ -240,20 +240,30 @@ class EngineCore:
         load_tokens = 0
         preempted = False
 
+        bs = self._bs
+        pool = self._pool
+        caching = self._caching
         i = 0
         while i < len(running) and budget > 0:
             r = running[i]
-            num_new = min(r.num_tokens - r.num_computed, budget)
-            fits = self._allocate(r, num_new)
-            while not fits:
-                victim = running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is r:
-                    break
-                fits = self._allocate(r, num_new)
-            if not fits:
-                break
+            num_new = r.prompt_len + r.num_output - r.num_computed
+            if num_new > budget:
+                num_new = budget
+            end = r.num_computed + num_new
+            need = -(-end // bs) - len(r.blocks)
+            if need > 0:
+                if need > pool.num_free:  # preempt from the back until it fits
+                    victim = running.pop()
+                    self._preempt(victim)
+                    while victim is not r and need > pool.num_free:
+                        victim = running.pop()
+                        self._preempt(victim)
+                    preempted = True
+                    if victim is r:
+                        break
+                r.blocks.extend(pool.allocate(need))
+            if caching and end // bs > r.num_cached_blocks:
+                self._cache(r, end)
             scheduled.append((r, num_new))
             budget -= num_new
             i += 1
@@ -314,17 +324,6 @@ class EngineCore:
         return StepOutput(ms / 1000.0, new_tokens, first, finished, events)
 
     # ---- scheduling helpers ---------------------------------------------------------
-
-    def _allocate(self, r: _Req, num_new: int) -> bool:
-        """Blocks for a running request's next ``num_new`` tokens (False: no room)."""
-        end = r.num_computed + num_new
-        need = _cdiv(end, self._bs) - len(r.blocks)
-        if need > 0:
-            if need > self._pool.num_free:
-                return False
-            r.blocks.extend(self._pool.allocate(need))
-        self._cache(r, min(end, r.num_tokens))
-        return True
 
     def _admit(self, r: _Req, budget: int) -> tuple[int, int] | None:
         """Prefix lookup and first blocks of a waiting request: (tokens scheduled, tokens
@@ -435,14 +434,16 @@ class EngineCore:
         ext = r.ext
         toks = r.toks
         parent = ext[start - 1] if start else None
+        insert = pool.insert
         if toks is None:
             for k in range(start, n_full):
-                pool.insert(blocks[k], hashes[k], None)
+                insert(blocks[k], hashes[k], ext[k])
         else:
             prev = parent
             for k in range(start, n_full):
-                pool.insert(blocks[k], hashes[k], BlockMeta(prev, toks[k]))
-                prev = ext[k]
+                e = ext[k]
+                insert(blocks[k], hashes[k], e, BlockMeta(e, prev, toks[k]))
+                prev = e
         pool.events.append(
             BlockStored(ext[start:n_full], parent, self._tokens(r, start * bs, n_full * bs), bs)
         )

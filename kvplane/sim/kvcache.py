@@ -23,14 +23,14 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kvplane.sim.events import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
-from kvplane.sim.hashing import external_hash
 
 
 @dataclass(frozen=True, slots=True)
 class BlockMeta:
-    """What a CPU-tier event needs to describe a block: its parent's event hash and
-    its tokens."""
+    """What a CPU-tier event needs to describe a block: its event hash, its parent's
+    and its tokens."""
 
+    ext: int
     parent: int | None
     tokens: tuple[int, ...]
 
@@ -59,11 +59,11 @@ class CpuTier:
             entries.move_to_end(h)
             return
         while len(entries) >= self.capacity:
-            old, _ = entries.popitem(last=False)
-            self.events.append(BlockRemoved([external_hash(old)], MEDIUM_CPU))
+            old = entries.popitem(last=False)[1]
+            self.events.append(BlockRemoved([old.ext], MEDIUM_CPU))
         entries[h] = meta
         stored = BlockStored(
-            [external_hash(h)], meta.parent, list(meta.tokens), self.block_size, MEDIUM_CPU
+            [meta.ext], meta.parent, list(meta.tokens), self.block_size, MEDIUM_CPU
         )
         self.events.append(stored)
 
@@ -88,8 +88,10 @@ class BlockPool:
     __slots__ = (
         "cached",
         "cpu",
+        "dups",
         "enable_caching",
         "events",
+        "ext_of",
         "free",
         "hash_of",
         "meta_of",
@@ -111,10 +113,14 @@ class BlockPool:
         self.cpu = cpu
         self.ref = [0] * num_blocks
         self.hash_of: list[bytes | None] = [None] * num_blocks
+        self.ext_of = [0] * num_blocks  # event value of hash_of[b]
         self.meta_of: list[BlockMeta | None] = [None] * num_blocks
         # block 0 is vLLM's null block: never free, never cached
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached: dict[bytes, list[int]] = {}
+        # hash -> its oldest block; younger copies of the same hash (two requests
+        # computed it) wait in dups, oldest first
+        self.cached: dict[bytes, int] = {}
+        self.dups: dict[bytes, list[int]] = {}
         self.events: list[KVEvent] = []
 
     @property
@@ -128,8 +134,7 @@ class BlockPool:
 
     def lookup(self, h: bytes) -> int | None:
         """The oldest GPU block holding hash ``h``."""
-        blocks = self.cached.get(h)
-        return blocks[0] if blocks else None
+        return self.cached.get(h)
 
     def evictable(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit in the free queue (touching them takes them out)."""
@@ -147,14 +152,14 @@ class BlockPool:
 
     def allocate(self, n: int) -> list[int]:
         """``n`` new blocks from the head of the free queue, evicting their hashes."""
-        if n > len(self.free):
-            raise ValueError(f"cannot allocate {n} blocks, {len(self.free)} free")
         free = self.free
+        if n > len(free):
+            raise ValueError(f"cannot allocate {n} blocks, {len(free)} free")
         ref = self.ref
         hash_of = self.hash_of
         out: list[int] = []
         for _ in range(n):
-            b, _ = free.popitem(last=False)
+            b = free.popitem(last=False)[0]
             h = hash_of[b]
             if h is not None:
                 self._evict(b, h)
@@ -163,26 +168,36 @@ class BlockPool:
         return out
 
     def _evict(self, b: int, h: bytes) -> None:
-        copies = self.cached[h]
-        copies.remove(b)
-        if not copies:
-            del self.cached[h]
-        self.hash_of[b] = None
-        meta = self.meta_of[b]
-        self.meta_of[b] = None
-        self.events.append(BlockRemoved([external_hash(h)]))
-        if self.cpu is not None and meta is not None:
-            self.cpu.offload(h, meta)
-
-    def insert(self, b: int, h: bytes, meta: BlockMeta | None) -> None:
-        """Make block ``b`` findable by hash ``h`` (its KV is computed this step)."""
-        self.hash_of[b] = h
-        self.meta_of[b] = meta
-        copies = self.cached.get(h)
-        if copies is None:
-            self.cached[h] = [b]
+        if self.cached[h] == b:
+            younger = self.dups.get(h)
+            if younger:
+                self.cached[h] = younger.pop(0)
+                if not younger:
+                    del self.dups[h]
+            else:
+                del self.cached[h]
         else:
-            copies.append(b)
+            younger = self.dups[h]
+            younger.remove(b)
+            if not younger:
+                del self.dups[h]
+        self.hash_of[b] = None
+        self.events.append(BlockRemoved([self.ext_of[b]]))
+        if self.cpu is not None:
+            meta = self.meta_of[b]
+            self.meta_of[b] = None
+            if meta is not None:
+                self.cpu.offload(h, meta)
+
+    def insert(self, b: int, h: bytes, ext: int, meta: BlockMeta | None = None) -> None:
+        """Make block ``b`` findable by hash ``h`` (event value ``ext``); its KV is
+        computed this step. ``meta`` describes it to the CPU tier."""
+        self.hash_of[b] = h
+        self.ext_of[b] = ext
+        self.meta_of[b] = meta
+        first = self.cached.setdefault(h, b)
+        if first != b:
+            self.dups.setdefault(h, []).append(b)
 
     def release(self, blocks: list[int]) -> None:
         """Drop a request's references, its tail first (vLLM frees in reverse)."""
@@ -207,6 +222,7 @@ class BlockPool:
         if len(self.free) != self.num_blocks - 1:
             return False
         self.cached.clear()
+        self.dups.clear()
         self.hash_of = [None] * self.num_blocks
         self.meta_of = [None] * self.num_blocks
         return True

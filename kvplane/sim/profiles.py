@@ -5,9 +5,9 @@ Every coefficient is derived from public figures in ``shared/research/workloads.
 The timing model that uses them is :mod:`kvplane.sim.timing`:
 
 - one forward (scheduler step) costs ``hypot(base, prefill_tokens / rate) + attention``,
-  where ``base`` is the decode cost of the batch (or ``prefill_fixed_ms`` with no
-  decodes): the weights are read once per forward (memory floor) and every token costs
-  flops (compute); the soft maximum joins the two regimes;
+  where ``base`` is the decode batch's cost without KV reads (or ``prefill_fixed_ms``
+  with no decodes): the weights are read once per forward (memory floor) and every token
+  costs flops (compute); the soft maximum joins the two regimes;
 - attention of a prefill chunk of ``n`` new tokens after ``p`` computed ones costs
   ``attn_coeff * n * (p + n/2)`` ms (causal attention flops), so throughput falls with
   context; ``attn_coeff = (1000 / rate) * 2 * layers * hidden / params``, i.e. attention
