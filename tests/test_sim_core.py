@@ -25,7 +25,13 @@ from kvplane.sim.profiles import (
     PROFILES,
     EngineProfile,
 )
-from kvplane.sim.timing import decode_step_ms, load_ms, prefill_ms, step_ms
+from kvplane.sim.timing import (
+    decode_marginal_ms,
+    decode_step_ms,
+    load_ms,
+    prefill_ms,
+    step_ms,
+)
 
 H8B = PROFILES["h100-llama-3.1-8b"]
 H70B = PROFILES["h100-llama-3.1-70b-tp4"]
@@ -137,6 +143,9 @@ def test_decode_kv_read_term() -> None:
     extra = decode_step_ms(H8B, 10, 101_000) - decode_step_ms(H8B, 10, 1_000)
     assert extra == pytest.approx(100 * 0.039, rel=0.01)
     assert decode_step_ms(H8B, 0, 0) == 0.0
+    # one more sequence of 1k context at batch 100
+    more = decode_step_ms(H8B, 101, 101_000) - decode_step_ms(H8B, 100, 100_000)
+    assert decode_marginal_ms(H8B, 100, 1000) == pytest.approx(more)
     assert step_ms(H8B, [], []) == 0.0
 
 
@@ -388,6 +397,8 @@ def test_preemption_under_load_no_deadlock_randomized() -> None:
             got[rid] = got.get(rid, 0) + len(toks)
     assert got == want
     assert engine.stats().request_success == {"length": 40}
+    # every step with work schedules something: no stall, no zero-time spin
+    assert all(o.duration_s > 0 for o in outs)
     # the pool is consistent: every stored hash was computed from the request tokens
     for e in events_of(outs):
         if isinstance(e, BlockStored):

@@ -33,6 +33,16 @@ def decode_step_ms(profile: EngineProfile, batch: int, total_context_tokens: int
     return _batch_ms(profile, batch) + profile.decode_per_kctx_ms * total_context_tokens / 1000.0
 
 
+def decode_marginal_ms(profile: EngineProfile, batch: int, context_per_seq: int) -> float:
+    """What one more decoding sequence adds to a step of ``batch`` (its share of the
+    batch terms and its KV reads): a router's per-running-request cost."""
+    return (
+        profile.decode_per_seq_ms
+        + profile.decode_per_seq2_ms * (2 * batch + 1)
+        + profile.decode_per_kctx_ms * context_per_seq / 1000.0
+    )
+
+
 def step_ms(
     profile: EngineProfile,
     prefill_chunks: Sequence[tuple[int, int]],
