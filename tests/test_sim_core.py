@@ -241,9 +241,9 @@ def test_block_stored_chaining_and_output_blocks() -> None:
     outs = run(engine)
     hashes = ext([*prompt, 5, 5, 5, 5, 5, 5], 4)
     assert outs[0].events == [BlockStored(hashes[:2], None, prompt[:8], 4)]
-    # output tokens fill blocks too: the block of tokens 8..11 is computed once the
-    # second output token is fed back, the next when the sixth would be (never: the
-    # last sampled token is not computed)
+    # output tokens fill blocks too: tokens 8..11 are computed once the second output
+    # token is fed back; tokens 12..15 would need the sixth, the last sampled token,
+    # which is never computed
     stored = [e for e in events_of(outs[1:]) if isinstance(e, BlockStored)]
     assert stored == [BlockStored(hashes[2:3], hashes[1], [9, 10, 5, 5], 4)]
     assert all(o.new_tokens.get("a") == [5] for o in outs)
