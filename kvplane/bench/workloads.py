@@ -27,6 +27,7 @@ import math
 import os
 import random
 import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
@@ -94,9 +95,11 @@ class SegmentTokens:
     def __init__(
         self, vocab: Sequence[int], bos: int, seed: int = 0, cache_segments: int = 8192
     ) -> None:
-        if len(vocab) < 2:
-            raise ValueError("a segment vocabulary needs at least two tokens")
+        if not 2 <= len(vocab) <= 1 << 16:
+            raise ValueError("a segment vocabulary needs 2 to 65536 tokens")
         self.vocab = tuple(vocab)
+        n = len(self.vocab)
+        self._table = [self.vocab[i % n] for i in range(1 << 16)]
         self.bos = bos
         self.seed = seed
         self._cache: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
@@ -109,7 +112,10 @@ class SegmentTokens:
         if toks is not None:
             cache.move_to_end(key)
             return toks
-        toks = random.Random(_segment_seed(self.seed, segment)).choices(self.vocab, k=length)
+        # 16 random bits per token index a 65536-entry table of the vocabulary: a C loop,
+        # ~50x faster than Random.choices, which topped a Mooncake replay's profile.
+        picks = array("H", random.Random(_segment_seed(self.seed, segment)).randbytes(2 * length))
+        toks = list(map(self._table.__getitem__, picks))
         cache[key] = toks
         if len(cache) > self._cap:
             cache.popitem(last=False)

@@ -1,0 +1,577 @@
+"""Discrete-event mode: kvplane's own routing code against simulated engines, in virtual time.
+
+No HTTP and no wall clock: a heap of timestamped events drives one ``EngineCore``
+per pod, each stepped at its own step boundaries (a step lasts its modeled
+``duration_s``; the tokens it produced are stamped at its end). Arrivals go
+through the router's real code path at their arrival time:
+
+- block keys (``blockkeys``), the in-memory residency index (``MemoryIndex``) fed by
+  the engines' KV events through the real ingest planner (``Ingestor``), after a
+  configurable delivery delay;
+- the cost model and choice (``choose_by_cost``) or a baseline (``choose_baseline``);
+- load as the live router sees it: ``Pool``/``BackendState`` with the proxy's
+  ``Attempt`` accounting (pending prefill tokens until the first token, in-flight
+  until the end) plus engine stats sampled every ``scrape_interval_s``;
+- tentative marks on the chosen pod, as the live request path sets them.
+
+Only engines with work are stepped, so 200 mostly idle pods cost little. Stats are
+sampled lazily but exactly: an engine's snapshot for a scrape tick is taken just
+before its first change after that tick (or when read), which is its state at the
+tick. Engine stats read mid-step show the step's outcome (the step is computed
+when it starts); the live scraper would see the state before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import heapq
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Final
+
+from kvplane.bench.metrics import (
+    RequestResult,
+    RunRecord,
+    computed_prefill,
+    format_table,
+    mean_itl,
+    oracle_hit_ratio,
+    summarize,
+)
+from kvplane.bench.workloads import (
+    PromptBuilder,
+    SegmentTokens,
+    TraceRequest,
+    Workload,
+    generated_shared_prefix,
+    long_doc_qa,
+    mooncake,
+    multi_round_qa,
+    no_reuse,
+    scale_rate,
+    synthetic_tokens,
+)
+from kvplane.router.blockkeys import block_keys, generation_root
+from kvplane.router.choice import Decision, RoundRobin, choose_baseline, choose_by_cost
+from kvplane.router.choice import sticky_anchor as _sticky_anchor
+from kvplane.router.config import Backend, CostParams, Policy, TierCost
+from kvplane.router.engine_stats import EngineStats as ScrapedStats
+from kvplane.router.index.memory import MemoryIndex
+from kvplane.router.kvevents import model as rk
+from kvplane.router.kvevents.ingest import Ingestor
+from kvplane.router.pool import Pool
+from kvplane.router.proxy import Attempt
+from kvplane.router.tiers import Tier
+from kvplane.sim import events as se
+from kvplane.sim.engine import EngineCore, SimRequest, StepOutput
+from kvplane.sim.profiles import PROFILES, EngineProfile
+
+ROUTERS: Final[dict[str, Policy]] = {
+    "kvplane": Policy.COST,
+    "kvplane-round_robin": Policy.ROUND_ROBIN,
+    "kvplane-sticky": Policy.STICKY,
+    "kvplane-least_loaded": Policy.LEAST_LOADED,
+}
+GENERATION: Final = "kvplane-des"
+DEFAULT_KV_EVENT_DELAY_S: Final = 0.05
+IDLE_RETRY_S: Final = 0.001  # an engine with work that could not schedule anything
+MAX_IDLE_RETRIES: Final = 100_000  # per run: a stuck engine ends the run, not the machine
+
+Progress = Callable[[int, int], None]
+
+
+def profile_for(name: str, block_size: int | None) -> EngineProfile:
+    """A named profile, with another block size at the same token capacity."""
+    try:
+        prof = PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown profile {name!r} (known: {', '.join(PROFILES)})") from None
+    if block_size is None or block_size == prof.block_size:
+        return prof
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    return replace(
+        prof,
+        block_size=block_size,
+        num_gpu_blocks=max(2, prof.num_gpu_blocks * prof.block_size // block_size),
+        cpu_offload_blocks=prof.cpu_offload_blocks * prof.block_size // block_size,
+    )
+
+
+def cost_params_for(profile: EngineProfile) -> CostParams:
+    """Cost parameters as an operator would calibrate them for this engine."""
+    base = CostParams()
+    tiers = dict(base.tiers)
+    tiers[Tier.DRAM] = TierCost(bandwidth_gbps=profile.cpu_bandwidth_gbps, latency_ms=0.05)
+    return base.model_copy(
+        update={
+            "prefill_tokens_per_s": profile.prefill_tokens_per_s,
+            "decode_step_ms": profile.decode_base_ms,
+            "running_step_ms_per_request": profile.decode_per_seq_ms,
+            "tiers": tiers,
+        }
+    )
+
+
+def _router_event(ev: se.KVEvent) -> rk.KVEvent:
+    """The simulator's event as the router's decoder would have produced it."""
+    if isinstance(ev, se.BlockStored):
+        return rk.BlockStored(
+            block_hashes=ev.block_hashes,
+            parent_block_hash=ev.parent_block_hash,
+            token_ids=ev.token_ids,
+            block_size=ev.block_size,
+            medium=ev.medium,
+        )
+    if isinstance(ev, se.BlockRemoved):
+        return rk.BlockRemoved(block_hashes=ev.block_hashes, medium=ev.medium)
+    return rk.AllBlocksCleared()
+
+
+@dataclass(slots=True)
+class _Engine:
+    name: str
+    core: EngineCore
+    busy: bool = False  # a step is in flight
+    snap_tick: int = -1  # scrape tick of the pool's current stats of this engine
+
+
+@dataclass(frozen=True, slots=True)
+class _StepEnd:
+    engine: _Engine
+    out: StepOutput
+
+
+@dataclass(frozen=True, slots=True)
+class _Delivery:
+    pod: str
+    events: list[se.KVEvent]
+
+
+@dataclass(slots=True)
+class _Live:
+    req: TraceRequest
+    engine: _Engine
+    attempt: Attempt
+    prompt_tokens: int
+    first: float | None = None
+    last: float | None = None
+    n_out: int = 0
+
+
+@dataclass(slots=True)
+class _Clock:
+    now: float = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(slots=True)
+class DesOptions:
+    scrape_interval_s: float = 0.5
+    kv_event_delay_s: float = DEFAULT_KV_EVENT_DELAY_S
+    max_drain_s: float = 7200.0  # virtual time allowed after the last arrival
+    cost: CostParams | None = None
+    hash_algo: str = "xxhash"  # vLLM's fast option; the router never sees engine hashes
+    oracle: float | None = None  # precomputed oracle hit ratio (else computed here)
+    notes: list[str] = field(default_factory=list)
+
+
+class _Sim:
+    """One run: the fleet, the router state and the event heap."""
+
+    def __init__(
+        self,
+        workload: Workload,
+        router: str,
+        engines: int,
+        profile: EngineProfile,
+        tokens: SegmentTokens,
+        opts: DesOptions,
+        progress: Progress | None,
+    ) -> None:
+        if router not in ROUTERS:
+            raise ValueError(f"unknown router {router!r} (known: {', '.join(ROUTERS)})")
+        if engines < 1:
+            raise ValueError("engines must be at least 1")
+        self.workload = workload
+        self.router = router
+        self.policy = ROUTERS[router]
+        self.profile = profile
+        self.block_size = profile.block_size
+        self.tokens = tokens
+        self.opts = opts
+        self.progress = progress
+        self.cost = opts.cost or cost_params_for(profile)
+        self.clock = _Clock()
+        self.index = MemoryIndex(clock=self.clock)
+        self.ingestor = Ingestor(self.index, generation=GENERATION, block_size=self.block_size)
+        self.root = generation_root(GENERATION)
+        width = len(str(engines - 1))
+        names = [f"e{i:0{width}d}" for i in range(engines)]
+        self.engines = {n: _Engine(n, EngineCore(profile, hash_algo=opts.hash_algo)) for n in names}
+        self.pool = Pool()
+        self.pool.set_backends([Backend(name=n, url=f"sim://{n}") for n in names])
+        self.rr = RoundRobin()
+        self.live: dict[str, _Live] = {}
+        self.results: list[RequestResult] = []
+        self.heap: list[tuple[float, int, _StepEnd | _Delivery]] = []
+        self.seq = 0
+        self.router_cpu = 0.0
+        self.idle_retries = 0
+        self.uses_index = self.policy is Policy.COST
+
+    # ----------------------------------------------------------------- plumbing
+
+    def _push(self, t: float, item: _StepEnd | _Delivery) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, item))
+
+    def _snap(self, eng: _Engine, t: float) -> None:
+        """Sample the engine's stats for the current scrape tick, once per tick."""
+        tick = int(t // self.opts.scrape_interval_s)
+        if eng.snap_tick >= tick:
+            return
+        st = eng.core.stats()
+        self.pool.states[eng.name].stats = ScrapedStats(
+            waiting=float(st.num_waiting),
+            running=float(st.num_running),
+            kv_usage=st.kv_cache_usage,
+        )
+        eng.snap_tick = tick
+
+    def _start_step(self, eng: _Engine, t: float) -> None:
+        self._snap(eng, t)
+        out = eng.core.step()
+        if out.duration_s > 0 or out.new_tokens or out.finished or out.events:
+            eng.busy = True
+            self._push(t + max(out.duration_s, 0.0), _StepEnd(eng, out))
+        elif eng.core.has_work():
+            # nothing could run (no KV left and nothing to preempt): try again shortly
+            self.idle_retries += 1
+            if self.idle_retries > MAX_IDLE_RETRIES:
+                raise RuntimeError(f"engine {eng.name} has work it can never schedule")
+            eng.busy = True
+            self._push(t + IDLE_RETRY_S, _StepEnd(eng, out))
+        else:
+            eng.busy = False
+
+    # ----------------------------------------------------------------- events
+
+    async def _arrive(self, idx: int, req: TraceRequest, t: float) -> None:
+        tokens = self.tokens.token_ids(req)
+        cpu0 = time.process_time()
+        pods = self.pool.healthy()
+        for name in pods:
+            self._snap(self.engines[name], t)
+        loads = {p: self.pool.states[p].load() for p in pods}
+        keys = block_keys(tokens, self.block_size, self.root)
+        decision: Decision
+        if self.policy is Policy.COST:
+            matches = await self.index.lookup(keys, pods)
+            decision = choose_by_cost(
+                len(tokens),
+                matches,
+                loads,
+                self.cost,
+                self.block_size,
+                self.profile.kv_bytes_per_token,
+                self.pool.mean_request_tokens,
+            )
+            held = matches.get(decision.pod, {}).get(Tier.HBM, 0)
+            if len(keys) > held:
+                await self.index.mark_tentative(
+                    decision.pod, keys[held:], self.cost.tentative_ttl_s
+                )
+        else:
+            anchor = _sticky_anchor(keys, tokens, self.cost.sticky_blocks)
+            decision = choose_baseline(self.policy, pods, loads, anchor, self.rr)
+        self.pool.observe_prompt(len(tokens))
+        terms = decision.terms.get(decision.pod)
+        uncached = len(tokens) - (terms.cached_tokens if terms is not None else 0)
+        attempt = Attempt(self.pool.states[decision.pod], uncached, t)
+        attempt.begin()
+        self.router_cpu += time.process_time() - cpu0
+
+        eng = self.engines[decision.pod]
+        rid = f"r{idx}"
+        self._snap(eng, t)
+        try:
+            eng.core.add_request(SimRequest(rid, tokens, max_tokens=req.output_tokens))
+        except ValueError as exc:  # too long for the engine: vLLM answers 400
+            attempt.end()
+            self._fail(req, len(tokens), eng.name, str(exc))
+            return
+        self.live[rid] = _Live(req, eng, attempt, len(tokens))
+        if not eng.busy:
+            self._start_step(eng, t)
+
+    def _step_done(self, eng: _Engine, out: StepOutput, t: float) -> None:
+        for rid, toks in out.new_tokens.items():
+            lv = self.live.get(rid)
+            if lv is None or not toks:
+                continue
+            if lv.first is None:
+                lv.first = t
+                lv.attempt.first()
+            lv.last = t
+            lv.n_out += len(toks)
+        for rid in out.finished:
+            lv = self.live.pop(rid, None)
+            if lv is None:
+                continue
+            lv.attempt.end()
+            self._finish(rid, lv, t)
+        if out.events and self.uses_index:
+            self._push(t + self.opts.kv_event_delay_s, _Delivery(eng.name, out.events))
+        if eng.core.has_work():
+            self._start_step(eng, t)
+        else:
+            eng.busy = False
+
+    def _finish(self, rid: str, lv: _Live, t: float) -> None:
+        arrival = lv.req.arrival_s
+        first = lv.first if lv.first is not None else t
+        last = lv.last if lv.last is not None else t
+        self.results.append(
+            RequestResult(
+                router=self.router,
+                ok=True,
+                ttft_s=first - arrival,
+                itl_s=mean_itl(first, last, lv.n_out),
+                e2e_s=t - arrival,
+                prompt_tokens=lv.prompt_tokens,
+                cached_tokens=lv.engine.core.cached_tokens(rid),
+                backend=lv.engine.name,
+                arrival_s=arrival,
+                output_tokens=lv.n_out,
+            )
+        )
+        self._progressed()
+
+    def _fail(self, req: TraceRequest, prompt_tokens: int, pod: str, error: str) -> None:
+        self.results.append(
+            RequestResult(
+                router=self.router,
+                ok=False,
+                prompt_tokens=prompt_tokens,
+                backend=pod,
+                arrival_s=req.arrival_s,
+                error=error,
+            )
+        )
+        self._progressed()
+
+    def _progressed(self) -> None:
+        if self.progress is not None:
+            self.progress(len(self.results), len(self.workload.requests))
+
+    async def _deliver(self, pod: str, events: Sequence[se.KVEvent], t: float) -> None:
+        cpu0 = time.process_time()
+        batch = rk.EventBatch(ts=t, events=[_router_event(e) for e in events])
+        await self.ingestor.apply(pod, "sim", batch)
+        self.router_cpu += time.process_time() - cpu0
+
+    # ----------------------------------------------------------------- loop
+
+    async def run(self) -> float:
+        """Play every event; returns the virtual time of the last one."""
+        for name in self.engines:
+            await self.index.begin_incarnation(name, "sim")
+        reqs = sorted(self.workload.requests, key=lambda r: r.arrival_s)
+        horizon = (reqs[-1].arrival_s if reqs else 0.0) + self.opts.max_drain_s
+        i, n, t = 0, len(reqs), 0.0
+        heap = self.heap
+        while True:
+            next_arrival = reqs[i].arrival_s if i < n else math.inf
+            if heap and heap[0][0] <= next_arrival:
+                t, _, item = heapq.heappop(heap)
+                if t > horizon:
+                    break
+                self.clock.now = t
+                if isinstance(item, _StepEnd):
+                    self._step_done(item.engine, item.out, t)
+                else:
+                    await self._deliver(item.pod, item.events, t)
+            elif i < n:
+                t = next_arrival
+                self.clock.now = t
+                await self._arrive(i, reqs[i], t)
+                i += 1
+            else:
+                break
+        for rid, lv in sorted(self.live.items()):
+            late = f"{rid} unfinished {self.opts.max_drain_s:g} s after the last arrival"
+            self._fail(lv.req, lv.prompt_tokens, lv.engine.name, late)
+        return t
+
+
+def run_des(
+    workload: Workload,
+    router: str,
+    *,
+    engines: int = 8,
+    profile: str = "h100-llama-3.1-8b",
+    block_size: int | None = None,
+    builder: PromptBuilder | None = None,
+    scrape_interval_s: float = 0.5,
+    seed: int = 0,
+    progress: Progress | None = None,
+    kv_event_delay_s: float = DEFAULT_KV_EVENT_DELAY_S,
+    options: DesOptions | None = None,
+) -> tuple[RunRecord, list[RequestResult]]:
+    """Replay ``workload`` through ``router`` on ``engines`` simulated pods.
+
+    Prompts come from ``builder`` if given, else from a tokenizer-free synthetic
+    vocabulary seeded by ``seed`` (the simulator only needs ids). Deterministic:
+    the same arguments give the same results.
+    """
+    opts = options or DesOptions()
+    opts = replace(opts, scrape_interval_s=scrape_interval_s, kv_event_delay_s=kv_event_delay_s)
+    if opts.scrape_interval_s <= 0:
+        raise ValueError("scrape_interval_s must be positive")
+    prof = profile_for(profile, block_size)
+    tokens = builder.tokens if builder is not None else synthetic_tokens(seed)
+    sim = _Sim(workload, router, engines, prof, tokens, opts, progress)
+    end = asyncio.run(sim.run())
+    results = sorted(sim.results, key=lambda r: r.arrival_s)
+    oracle = opts.oracle if opts.oracle is not None else oracle_hit_ratio(workload, prof.block_size)
+    start = workload.requests[0].arrival_s if workload.requests else 0.0
+    notes = [
+        f"block {prof.block_size}",
+        f"scrape {opts.scrape_interval_s:g}s",
+        f"kv events +{opts.kv_event_delay_s:g}s",
+        *opts.notes,
+    ]
+    record = summarize(
+        router,
+        workload.name,
+        results,
+        oracle_hit_ratio=oracle,
+        prefill_tokens_per_engine=computed_prefill(results, sim.engines),
+        router_cpu_s=sim.router_cpu,
+        duration_s=end - start,
+        mode="des",
+        engines=engines,
+        profile=profile,
+        offered_rps=workload.offered_rps,
+        notes=", ".join(notes),
+    )
+    record.extra["block_size"] = prof.block_size
+    record.extra["virtual_s"] = round(end - start, 3)
+    return record, results
+
+
+# --------------------------------------------------------------------------- CLI
+
+WORKLOAD_NAMES: Final = ("mooncake", "gsp", "multi-round-qa", "long-doc-qa", "no-reuse")
+
+
+def build_workload(
+    name: str, *, trace: Path | None, limit: int | None, start: int, rate_scale: float
+) -> Workload:
+    if name == "mooncake":
+        return mooncake(trace, limit=limit, start=start, rate_scale=rate_scale)
+    builders: dict[str, Callable[[], Workload]] = {
+        "gsp": generated_shared_prefix,
+        "multi-round-qa": multi_round_qa,
+        "long-doc-qa": long_doc_qa,
+        "no-reuse": no_reuse,
+    }
+    if name not in builders:
+        raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOAD_NAMES)})")
+    wl = builders[name]()
+    if limit is not None:
+        wl = replace(wl, requests=wl.requests[start : start + limit])
+    return scale_rate(wl, rate_scale) if rate_scale != 1.0 else wl
+
+
+class _Bar:
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.enabled = sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if not self.enabled or (done < total and now - self._last < 0.25):
+            return
+        self._last = now
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{self.label:<28} {done}/{total}{end}")
+        sys.stderr.flush()
+
+
+def des_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", choices=WORKLOAD_NAMES, default="mooncake")
+    p.add_argument("--trace", type=Path, default=None, help="Mooncake-format JSONL")
+    p.add_argument("--limit", type=int, default=2000, help="requests (0 = all)")
+    p.add_argument("--start", type=int, default=0, help="skip this many requests first")
+    p.add_argument("--rate-scale", type=float, default=1.0, help="arrivals x this rate")
+    p.add_argument("--engines", type=int, default=8)
+    p.add_argument("--profile", default="h100-llama-3.1-8b", choices=sorted(PROFILES))
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--routers", default="kvplane,kvplane-round_robin,kvplane-sticky")
+    p.add_argument("--scrape-interval", type=float, default=0.5)
+    p.add_argument("--kv-delay", type=float, default=DEFAULT_KV_EVENT_DELAY_S)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+
+
+def main_des(argv: Sequence[str] | None = None) -> int:
+    """``kvplane bench routing --mode des``: one row per router, printed as a table."""
+    parser = argparse.ArgumentParser(prog="kvplane bench routing --mode des")
+    des_arguments(parser)
+    args = parser.parse_args(argv)
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    unknown = [r for r in routers if r not in ROUTERS]
+    if unknown:
+        parser.error(f"unknown routers {unknown} (known: {', '.join(ROUTERS)})")
+    wl = build_workload(
+        args.workload,
+        trace=args.trace,
+        limit=args.limit or None,
+        start=args.start,
+        rate_scale=args.rate_scale,
+    )
+    prof = profile_for(args.profile, args.block_size)
+    opts = DesOptions(oracle=oracle_hit_ratio(wl, prof.block_size))
+    print(
+        f"{wl.description}: {len(wl.requests)} requests, {wl.offered_rps:.2f} req/s offered, "
+        f"{args.engines} x {args.profile}, block {prof.block_size}",
+        file=sys.stderr,
+    )
+    records = []
+    for router in routers:
+        wall0 = time.perf_counter()
+        rec, _ = run_des(
+            wl,
+            router,
+            engines=args.engines,
+            profile=args.profile,
+            block_size=args.block_size,
+            scrape_interval_s=args.scrape_interval,
+            seed=args.seed,
+            progress=_Bar(router),
+            kv_event_delay_s=args.kv_delay,
+            options=opts,
+        )
+        rec.extra["wall_s"] = round(time.perf_counter() - wall0, 2)
+        records.append(rec)
+    print(format_table(records))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps([r.to_json() for r in records], indent=1) + "\n")
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main_des())
