@@ -627,7 +627,7 @@ class PDService:
 
 class _PairFailed(Exception):
     def __init__(self, leg: str, pod: str, detail: str) -> None:
-        super().__init__(f"{pod}: {detail}")
+        super().__init__(detail if detail.startswith(f"{pod}:") else f"{pod}: {detail}")
         self.leg, self.pod = leg, pod
 
 

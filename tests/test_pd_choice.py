@@ -1,0 +1,261 @@
+"""Pure parts of P/D routing: link classes from labels, the pair cost, the joint choice."""
+
+from __future__ import annotations
+
+import pytest
+from kvplane.router.config import CostParams, LinkClass, LinkCost, PDSpec
+from kvplane.router.cost import PodLoad, predict
+from kvplane.router.pd.choice import PDReason, choose_pd
+from kvplane.router.pd.cost import aggregated_cost, decode_step_ms, pair_cost
+from kvplane.router.pd.topology import link_class, link_cost, transfer_ms
+from kvplane.router.tiers import Tier
+
+BS = 16
+KV = 100_000  # bytes per token: 1e9 bytes per 10k tokens keeps the arithmetic readable
+P = CostParams(
+    prefill_tokens_per_s=10_000.0,  # 0.1 ms per token
+    running_step_ms_per_request=0.1,
+    decode_step_ms=5.0,
+)
+PD = PDSpec(
+    links={
+        LinkClass.SAME_NODE: LinkCost(bandwidth_gbps=100.0, latency_ms=0.0),
+        LinkClass.SAME_ZONE: LinkCost(bandwidth_gbps=10.0, latency_ms=1.0),
+        LinkClass.CROSS_ZONE: LinkCost(bandwidth_gbps=1.0, latency_ms=10.0),
+    },
+    aggregate_max_uncached_tokens=256,
+    decode_running_ms=1.0,
+    decode_kv_weight_ms=10.0,
+)
+IDLE = PodLoad()
+
+
+def hbm(blocks: int) -> dict[Tier, int]:
+    return {Tier.HBM: blocks}
+
+
+def place(node: str, zone: str) -> dict[str, str]:
+    return {"node": node, "zone": zone}
+
+
+# --- topology -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "cls"),
+    [
+        (place("n1", "z1"), place("n1", "z1"), LinkClass.SAME_NODE),
+        (place("n1", "z1"), place("n2", "z1"), LinkClass.SAME_ZONE),
+        (place("n1", "z1"), place("n2", "z2"), LinkClass.CROSS_ZONE),
+        # the well-known Kubernetes keys work as well as discovery's short ones
+        (
+            {"kubernetes.io/hostname": "n1"},
+            {"kubernetes.io/hostname": "n1", "topology.kubernetes.io/zone": "z9"},
+            LinkClass.SAME_NODE,
+        ),
+        ({"topology.kubernetes.io/zone": "a"}, {"zone": "b"}, LinkClass.CROSS_ZONE),
+        # unknown placement: one zone, never a node-local link and never cross-zone
+        ({}, {}, LinkClass.SAME_ZONE),
+        ({"zone": "z1"}, {}, LinkClass.SAME_ZONE),
+        ({"node": ""}, {"node": ""}, LinkClass.SAME_ZONE),
+    ],
+)
+def test_link_class_from_labels(a: dict[str, str], b: dict[str, str], cls: LinkClass) -> None:
+    assert link_class(a, b) is cls
+    assert link_class(b, a) is cls
+
+
+def test_missing_link_class_borrows_the_next_slower_one() -> None:
+    partial = PDSpec(links={LinkClass.SAME_ZONE: LinkCost(bandwidth_gbps=7.0)})
+    assert link_cost(LinkClass.SAME_NODE, partial).bandwidth_gbps == 7.0
+    assert link_cost(LinkClass.SAME_ZONE, partial).bandwidth_gbps == 7.0
+    # nothing slower configured: the slowest configured link
+    assert link_cost(LinkClass.CROSS_ZONE, partial).bandwidth_gbps == 7.0
+
+
+def test_transfer_is_latency_plus_bytes_over_bandwidth() -> None:
+    link = LinkCost(bandwidth_gbps=10.0, latency_ms=1.0)
+    assert transfer_ms(0, KV, link) == 0.0
+    assert transfer_ms(10_000, KV, link) == pytest.approx(1.0 + 100.0)  # 1 GB at 10 GB/s
+
+
+# --- cost -----------------------------------------------------------------------------
+
+
+def test_pair_cost_adds_transfer_of_what_decode_lacks_and_one_decode_step() -> None:
+    pre = predict("p", 2000, hbm(0), IDLE, P, BS, KV, 1000.0)
+    link = PD.links[LinkClass.SAME_ZONE]
+    busy = PodLoad(engine_running=10, kv_usage=0.5)
+    full = pair_cost(pre, "d", busy, 0, 2000, LinkClass.SAME_ZONE, link, P, PD, KV)
+    assert full.transfer_tokens == 2000 and full.transfer_bytes == 2000 * KV
+    assert full.transfer_ms == pytest.approx(1.0 + 20.0)
+    assert full.decode_ms == pytest.approx(5.0 + 10 * 0.1)
+    assert full.ttft_ms == pytest.approx(pre.ttft_ms + 21.0 + 6.0)
+    assert full.balance_ms == pytest.approx(10 * 1.0 + 0.5 * 10.0)
+    assert full.score_ms == pytest.approx(full.ttft_ms + 15.0)
+    # the decode pod already holds 1600 tokens: only 400 move
+    part = pair_cost(pre, "d", busy, 1600, 2000, LinkClass.SAME_ZONE, link, P, PD, KV)
+    assert part.transfer_tokens == 400 and part.transfer_ms < full.transfer_ms
+
+
+def test_kv_pressure_on_the_decode_pod_delays_its_first_step() -> None:
+    assert decode_step_ms(PodLoad(kv_usage=0.95), P) == pytest.approx(5.0 + 200.0)
+
+
+def test_aggregated_option_pays_for_stalling_running_decodes() -> None:
+    terms = predict("d", 1000, hbm(0), PodLoad(engine_running=4), P, BS, KV, 1000.0)
+    agg = aggregated_cost(terms, PodLoad(engine_running=4), PD)
+    assert agg.prefill is None and agg.transfer_ms == 0 and agg.link is None
+    assert agg.ttft_ms == pytest.approx(terms.ttft_ms)
+    assert agg.interference_ms == pytest.approx(terms.recompute_ms * 4)
+
+
+# --- choice ---------------------------------------------------------------------------
+
+
+def test_short_prompt_is_prefilled_on_the_decode_pod() -> None:
+    d = choose_pd(100, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0)
+    assert not d.disaggregated and d.reason == PDReason.SHORT_PROMPT
+    assert d.decode == "d0" and d.prefill is None and d.prefill_ranked == []
+
+
+def test_long_uncached_prompt_is_disaggregated() -> None:
+    d = choose_pd(4000, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0)
+    assert d.disaggregated and d.reason == PDReason.DISAGGREGATED
+    assert (d.prefill, d.decode) == ("p0", "d0") and d.prefill_ranked == ["p0"]
+
+
+def test_prompt_mostly_resident_on_a_decode_pod_skips_the_prefill_pool() -> None:
+    # 4000 tokens, d1 holds 3840 of them (240 blocks): it lacks 160 <= 256
+    d = choose_pd(
+        4000,
+        {"d1": hbm(240)},
+        {"p0": IDLE},
+        {"d0": IDLE, "d1": IDLE},
+        {},
+        P,
+        PD,
+        BS,
+        KV,
+        1000.0,
+    )
+    assert not d.disaggregated and d.reason == PDReason.RESIDENT_ON_DECODE
+    assert d.decode == "d1" and d.decode_ranked[0] == "d1"
+
+
+def test_busy_decode_pod_prefers_a_pair_even_for_a_short_prompt() -> None:
+    # the only decode pod runs 200 requests: prefilling there stalls all of them
+    busy = PodLoad(engine_running=200)
+    d = choose_pd(250, {}, {"p0": IDLE}, {"d0": busy}, {}, P, PD, BS, KV, 1000.0)
+    assert d.disaggregated and d.reason == PDReason.DISAGGREGATED
+
+
+def test_pair_is_chosen_jointly_by_link_and_residency() -> None:
+    labels = {
+        "p0": place("n1", "z1"),
+        "p1": place("n2", "z2"),
+        "d0": place("n1", "z1"),
+        "d1": place("n3", "z2"),
+    }
+    # p1 holds the prompt; p0 must recompute 4000 tokens (400 ms)
+    d = choose_pd(
+        4000,
+        {"p1": hbm(250)},
+        {"p0": IDLE, "p1": IDLE},
+        {"d0": IDLE, "d1": IDLE},
+        labels,
+        P,
+        PD,
+        BS,
+        KV,
+        1000.0,
+    )
+    assert (d.prefill, d.decode) == ("p1", "d1")  # same zone beats crossing to d0
+    assert d.chosen.link is LinkClass.SAME_ZONE
+    # the retry order for decode keeps the same prefill pod: d0 next
+    assert d.decode_ranked == ["d1", "d0"]
+    assert d.prefill_ranked == ["p1", "p0"]
+    # with no residency anywhere, the same-node pair wins
+    d2 = choose_pd(
+        4000, {}, {"p0": IDLE, "p1": IDLE}, {"d0": IDLE, "d1": IDLE}, labels, P, PD, BS, KV, 1e3
+    )
+    assert (d2.prefill, d2.decode) == ("p0", "d0")
+    assert d2.chosen.link is LinkClass.SAME_NODE
+
+
+def test_decode_choice_balances_running_requests_and_kv_usage() -> None:
+    d = choose_pd(
+        4000,
+        {},
+        {"p0": IDLE},
+        {"d0": PodLoad(engine_running=30, kv_usage=0.7), "d1": PodLoad(engine_running=5)},
+        {},
+        P,
+        PD,
+        BS,
+        KV,
+        1000.0,
+    )
+    assert d.decode == "d1" and d.decode_ranked == ["d1", "d0"]
+
+
+def test_prefill_queue_moves_the_pair_to_an_idle_prefill_pod() -> None:
+    queued = PodLoad(pending_prefill_tokens=50_000, pending_requests=5, inflight=5)
+    d = choose_pd(4000, {}, {"p0": queued, "p1": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0)
+    assert d.prefill == "p1" and d.prefill_ranked == ["p1", "p0"]
+
+
+def test_no_prefill_pod_or_several_sequences_stay_aggregated() -> None:
+    d = choose_pd(4000, {}, {}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0)
+    assert d.reason == PDReason.NO_PREFILL and not d.disaggregated
+    m = choose_pd(4000, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1e3, multi_sequence=True)
+    assert m.reason == PDReason.MULTI_SEQUENCE and not m.disaggregated
+
+
+def test_without_aggregation_every_request_is_a_pair() -> None:
+    """SGLang decode servers take only handed-off requests."""
+    d = choose_pd(10, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1e3, can_aggregate=False)
+    assert d.disaggregated and d.reason == PDReason.DISAGGREGATED
+    m = choose_pd(
+        10,
+        {},
+        {"p0": IDLE},
+        {"d0": IDLE},
+        {},
+        P,
+        PD,
+        BS,
+        KV,
+        1e3,
+        can_aggregate=False,
+        multi_sequence=True,
+    )
+    assert m.disaggregated
+
+
+def test_aggregation_can_be_switched_off_by_config() -> None:
+    never = PD.model_copy(update={"aggregate_max_uncached_tokens": 0})
+    d = choose_pd(20, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, never, BS, KV, 1000.0)
+    assert d.disaggregated
+
+
+def test_overloaded_pods_rank_last() -> None:
+    heavy = PodLoad(inflight=40)
+    d = choose_pd(
+        4000,
+        {"p0": hbm(250)},
+        {"p0": heavy, "p1": IDLE, "p2": IDLE},
+        {"d0": IDLE},
+        {},
+        P,
+        PD,
+        BS,
+        KV,
+        1000.0,
+    )
+    assert d.prefill != "p0" and d.prefill_ranked[-1] == "p0"
+
+
+def test_no_decode_candidate_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        choose_pd(10, {}, {"p0": IDLE}, {}, {}, P, PD, BS, KV, 1000.0)
