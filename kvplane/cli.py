@@ -82,6 +82,20 @@ def _bench_overhead(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_routing(args: argparse.Namespace) -> int:
+    from kvplane.bench import routing
+
+    args.argv_echo = sys.argv[3:]
+    routing.run(args)
+    return 0
+
+
+def _sim(args: argparse.Namespace) -> int:
+    from kvplane.sim.main import run
+
+    return run(args)
+
+
 def _operator(args: argparse.Namespace) -> int:
     import kopf
 
@@ -176,6 +190,14 @@ def build_parser() -> argparse.ArgumentParser:
     op.add_argument("--health-port", type=int, default=8080)
     op.set_defaults(handler=_operator)
 
+    s = sub.add_parser(
+        "sim", help="serve simulated vLLM engines (H100 timing model) for routing benchmarks"
+    )
+    from kvplane.sim.main import add_arguments as add_sim_arguments
+
+    add_sim_arguments(s)
+    s.set_defaults(handler=_sim)
+
     c = sub.add_parser("crds", help="write the CRD manifests generated from the typed models")
     c.add_argument("--out", default="crds", help="directory (default: crds)")
     c.add_argument("--check", action="store_true", help="fail if the files are stale")
@@ -188,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(o)
     o.set_defaults(handler=_bench_overhead)
+    r = bsub.add_parser(
+        "routing", help="routing quality vs vllm-router and sglang-router on a simulated fleet"
+    )
+    from kvplane.bench.routing import add_arguments as routing_arguments
+
+    routing_arguments(r)
+    r.set_defaults(handler=_bench_routing)
     return p
 
 

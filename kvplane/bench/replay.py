@@ -1,0 +1,144 @@
+"""Open-loop replay of a workload through one router, measured at the client.
+
+Requests leave at their trace arrival times (scaled to wall time by the fleet's
+``time_scale``) whether or not earlier ones have finished, as production traffic
+does: a router that queues badly shows it in TTFT instead of slowing the load.
+Each request streams; TTFT is the first content chunk, inter-token latency the
+mean gap between first and last token, cached tokens come from the final usage
+chunk. Times are converted back to simulated seconds, so figures read as H100s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+from kvplane.bench.metrics import RequestResult
+from kvplane.bench.workloads import TraceRequest
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayItem:
+    request: TraceRequest
+    prompt: str
+
+
+async def _one(
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    router: str,
+    item: ReplayItem,
+    time_scale: float,
+    timeout_s: float,
+) -> RequestResult:
+    req = item.request
+    body = {
+        "model": model,
+        "prompt": item.prompt,
+        "max_tokens": req.output_tokens,
+        "min_tokens": req.output_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start = time.perf_counter()
+    first: float | None = None
+    last: float | None = None
+    completion_tokens = 0
+    prompt_tokens = req.input_length
+    cached: int | None = None
+    backend: str | None = None
+    error: str | None = None
+    try:
+        async with client.stream(
+            "POST", url + "/v1/completions", json=body, timeout=timeout_s
+        ) as resp:
+            backend = resp.headers.get("x-kvplane-pod")
+            if resp.status_code != 200:
+                error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+            else:
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        error = str(chunk["error"])[:200]
+                        break
+                    now = time.perf_counter()
+                    choices = chunk.get("choices") or []
+                    if choices and choices[0].get("text"):
+                        if first is None:
+                            first = now
+                        last = now
+                    usage = chunk.get("usage")
+                    if usage:
+                        completion_tokens = int(usage.get("completion_tokens") or 0)
+                        prompt_tokens = int(usage.get("prompt_tokens") or prompt_tokens)
+                        details = usage.get("prompt_tokens_details") or {}
+                        if details.get("cached_tokens") is not None:
+                            cached = int(details["cached_tokens"])
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        error = f"{type(e).__name__}: {e}"[:200]
+    end = time.perf_counter()
+    if error is None and first is None:
+        error = "no token received"
+    ok = error is None
+    ttft = (first - start) / time_scale if first is not None else None
+    itl = None
+    if first is not None and last is not None and completion_tokens > 1:
+        itl = (last - first) / time_scale / (completion_tokens - 1)
+    return RequestResult(
+        router=router,
+        ok=ok,
+        ttft_s=ttft,
+        itl_s=itl,
+        e2e_s=(end - start) / time_scale,
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached,
+        backend=backend,
+        arrival_s=req.arrival_s,
+        error=error,
+    )
+
+
+async def replay(
+    url: str,
+    model: str,
+    router: str,
+    items: Sequence[ReplayItem],
+    *,
+    time_scale: float,
+    timeout_s: float = 600.0,
+    max_connections: int = 512,
+    progress: Callable[[int, int], None] | None = None,
+) -> tuple[list[RequestResult], float]:
+    """Sends every item at its arrival time; returns results and the wall duration."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+    done = 0
+    results: list[RequestResult | None] = [None] * len(items)
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+        t0 = time.perf_counter()
+
+        async def fire(i: int, item: ReplayItem) -> None:
+            nonlocal done
+            delay = t0 + item.request.arrival_s * time_scale - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            results[i] = await _one(client, url, model, router, item, time_scale, timeout_s)
+            done += 1
+            if progress is not None:
+                progress(done, len(items))
+
+        await asyncio.gather(*(fire(i, it) for i, it in enumerate(items)))
+        wall = time.perf_counter() - t0
+    return [r for r in results if r is not None], wall

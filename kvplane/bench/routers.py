@@ -1,0 +1,117 @@
+"""The routers under test and their exact command lines.
+
+Every router gets the same simulated fleet, cold, and its documented policy
+flags: kvplane (the cost policy and its own round-robin and sticky baselines),
+the PyPI ``vllm-router`` (``kv_aware`` fed by the engines' KV events, which it
+discovers from each worker's ``/kv_event_sources``; ``cache_aware``,
+``consistent_hash``, ``round_robin``) and ``sglang-router`` (``cache_aware``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from kvplane.bench.procs import HOST, free_port, venv_bin
+
+KVPLANE_POLICIES = {"kvplane": "cost", "kvplane-round_robin": "round_robin"}
+KVPLANE_POLICIES["kvplane-sticky"] = "sticky"
+KVPLANE_POLICIES["kvplane-least_loaded"] = "least_loaded"
+VLLM_ROUTER_POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin")
+ALL_ROUTERS = (
+    "kvplane",
+    "kvplane-round_robin",
+    "kvplane-sticky",
+    *(f"vllm-router-{p}" for p in VLLM_ROUTER_POLICIES),
+    "sglang-router-cache_aware",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineEndpoint:
+    name: str
+    url: str
+    kv_events: str
+    replay: str
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a router must be told about the fleet's model (an operator would render it)."""
+
+    name: str
+    tokenizer: Path
+    block_size: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    prefill_tokens_per_s: float
+    decode_step_ms: float
+
+
+@dataclass
+class RouterLaunch:
+    name: str
+    port: int
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def kvplane_config(
+    model: ModelFacts, engines: Sequence[EngineEndpoint], policy: str
+) -> dict[str, object]:
+    """The router config an operator would render for this fleet, calibrated to its profile."""
+    return {
+        "model": {
+            "name": model.name,
+            "tokenizer": str(model.tokenizer),
+            "block_size": model.block_size,
+            "max_model_len": model.max_model_len,
+            "kv_bytes_per_token": model.kv_bytes_per_token,
+        },
+        "backends": [
+            {"name": e.name, "url": e.url, "kv_events": e.kv_events, "replay": e.replay}
+            for e in engines
+        ],
+        "policy": policy,
+        "cost": {
+            "prefill_tokens_per_s": model.prefill_tokens_per_s,
+            "decode_step_ms": model.decode_step_ms,
+        },
+        "index": {"backend": "memory"},
+        "scrape_interval_s": 0.5,
+    }
+
+
+def launch_for(
+    name: str,
+    model: ModelFacts,
+    engines: Sequence[EngineEndpoint],
+    rundir: Path,
+) -> RouterLaunch:
+    port = free_port()
+    urls = [e.url for e in engines]
+    if name in KVPLANE_POLICIES:
+        cfg = rundir / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump(kvplane_config(model, engines, KVPLANE_POLICIES[name])))
+        argv = [venv_bin("kvplane"), "--log-level", "warning", "router", "--config", str(cfg)]
+        argv += ["--host", HOST, "--port", str(port)]
+        return RouterLaunch(name, port, argv)
+    if name.startswith("vllm-router-"):
+        policy = name.removeprefix("vllm-router-")
+        argv = [venv_bin("vllm-router"), "--host", HOST, "--port", str(port), "--worker-urls"]
+        argv += [*urls, "--policy", policy, "--prometheus-port", str(free_port())]
+        argv += ["--log-level", "warning"]
+        if policy == "kv_aware":
+            argv += ["--kv-event-block-size", str(model.block_size)]
+            argv += ["--kv-event-model", model.name]
+        return RouterLaunch(name, port, argv, {"NO_COLOR": "1"})
+    if name == "sglang-router-cache_aware":
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", HOST]
+        argv += ["--port", str(port), "--worker-urls", *urls, "--policy", "cache_aware"]
+        argv += ["--prometheus-port", str(free_port()), "--log-level", "warn"]
+        return RouterLaunch(name, port, argv, {"NO_COLOR": "1"})
+    raise SystemExit(f"bench routing: unknown router {name!r} (choose from {ALL_ROUTERS})")

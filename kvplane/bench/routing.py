@@ -1,0 +1,432 @@
+"""``kvplane bench routing``: routing quality side by side with the routers people use.
+
+For every workload and router: a cold simulated fleet (``kvplane sim``, the H100
+Llama-3.1-8B profile by default), the router in front of it, the same request
+sequence replayed open-loop at the same offered load. Figures come from the
+client (TTFT, inter-token latency, errors), the engines (cache hits, prefill
+tokens computed per engine, hence load imbalance) and the router process (CPU
+seconds). The oracle ceiling is the hit ratio of one infinite shared cache on the
+same sequence. ``--mode des`` runs the discrete-event mode instead: kvplane's own
+policy code against simulated engines in virtual time, no HTTP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as _dt
+import json
+import logging
+import os
+import shlex
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvplane.bench import routing_report
+from kvplane.bench.metrics import RequestResult, oracle_hit_ratio, summarize
+from kvplane.bench.procs import (
+    HOST,
+    Proc,
+    default_tokenizer_dir,
+    machine_info,
+    repo_root,
+    spawn,
+    update_markdown,
+    venv_bin,
+    versions,
+    wait_ready,
+)
+from kvplane.bench.replay import ReplayItem, replay
+from kvplane.bench.routers import ALL_ROUTERS, EngineEndpoint, ModelFacts, launch_for
+from kvplane.bench.workloads import PromptBuilder, Workload
+from kvplane.sim.des import WORKLOAD_NAMES, build_workload
+
+MODEL = "sim-llama-3.1-8b"
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class Progress:
+    """A one-line progress bar on stderr (no dependency, redrawn at most 4x a second)."""
+
+    def __init__(self, label: str, enabled: bool = True) -> None:
+        self.label = label
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if done < total and now - self._last < 0.25:
+            return
+        self._last = now
+        width = 30
+        fill = int(width * done / max(total, 1))
+        bar = "#" * fill + "." * (width - fill)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{self.label:<40} [{bar}] {done}/{total}{end}")
+        sys.stderr.flush()
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        ppid = int(fields[1])
+        children.setdefault(ppid, []).append(int(entry))
+        stats[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        total += stats.get(p, 0.0)
+        stack.extend(children.get(p, []))
+    return total
+
+
+@dataclass
+class Fleet:
+    proc: Proc
+    engines: list[EngineEndpoint]
+    time_scale: float
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Each engine's /sim/stats (prefill tokens computed, cached tokens, requests)."""
+        out = []
+        for e in self.engines:
+            with urllib.request.urlopen(e.url + "/sim/stats", timeout=10) as r:
+                out.append(json.loads(r.read()))
+        return out
+
+
+def start_fleet(args: argparse.Namespace, tokenizer: Path, rundir: Path, block_size: int) -> Fleet:
+    ports_file = rundir / f"fleet-{time.monotonic_ns()}.json"
+    argv = [venv_bin("kvplane"), "--log-level", "warning", "sim"]
+    argv += ["--engines", str(args.engines), "--profile", args.profile]
+    argv += ["--model", MODEL, "--tokenizer", str(tokenizer), "--block-size", str(block_size)]
+    argv += ["--time-scale", str(args.time_scale), "--stream-interval", str(args.stream_interval)]
+    argv += ["--host", HOST, "--describe", str(ports_file)]
+    proc = spawn(f"sim-{ports_file.stem}", argv, rundir)
+    deadline = time.monotonic() + 120
+    while not ports_file.exists():
+        if not proc.alive() or time.monotonic() > deadline:
+            raise SystemExit(f"bench routing: the simulated fleet did not start:\n{proc.tail()}")
+        time.sleep(0.2)
+    time.sleep(0.2)  # written in one call, but let the writer finish
+    rows = json.loads(ports_file.read_text())
+    engines = [EngineEndpoint(e["name"], e["url"], e["kv_events"], e["replay"]) for e in rows]
+    for e in engines:
+        port = int(e.url.rsplit(":", 1)[1])
+        if not wait_ready(proc, port, 60, None):
+            raise SystemExit(f"bench routing: engine {e.name} not ready:\n{proc.tail()}")
+    return Fleet(proc, engines, args.time_scale)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+@dataclass
+class RunOutput:
+    record: dict[str, Any]
+    results: list[RequestResult]
+
+
+def run_one(
+    router: str,
+    workload: Workload,
+    items: Sequence[ReplayItem],
+    oracle: float,
+    facts: ModelFacts,
+    args: argparse.Namespace,
+    rundir: Path,
+    load_factor: float = 1.0,
+) -> RunOutput:
+    fleet = start_fleet(args, facts.tokenizer, rundir, facts.block_size)
+    launch = launch_for(router, facts, fleet.engines, rundir)
+    rproc = spawn(router, launch.argv, rundir, launch.env)
+    try:
+        probe = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 1}).encode()
+        if not wait_ready(rproc, launch.port, 120, probe):
+            raise SystemExit(f"bench routing: router {router} not ready:\n{rproc.tail()}")
+        # the probe cached a block somewhere: forget it so every router starts cold
+        time.sleep(1.0)
+        cpu0 = _cpu_seconds(rproc.popen.pid)
+        stats0 = fleet.stats()
+        bar = Progress(f"{workload.name} x{load_factor:g} {router}", not args.no_progress)
+        results, wall = asyncio.run(
+            replay(
+                f"http://{HOST}:{launch.port}",
+                MODEL,
+                router,
+                items,
+                time_scale=args.time_scale,
+                timeout_s=args.request_timeout,
+                progress=bar,
+            )
+        )
+        cpu = _cpu_seconds(rproc.popen.pid) - cpu0
+        stats1 = fleet.stats()
+    finally:
+        rproc.stop()
+        fleet.proc.stop()
+    prefill = {
+        s1["name"]: int(s1["prefill_tokens_computed"]) - int(s0["prefill_tokens_computed"])
+        for s0, s1 in zip(stats0, stats1, strict=True)
+    }
+    offered = len(items) / max(items[-1].request.arrival_s, 1e-9) if items else 0.0
+    rec = summarize(
+        router,
+        workload.name,
+        results,
+        oracle_hit_ratio=oracle,
+        prefill_tokens_per_engine=prefill,
+        router_cpu_s=cpu,
+        duration_s=wall / args.time_scale,
+        mode="http",
+        engines=args.engines,
+        profile=args.profile,
+        offered_rps=offered,
+    )
+    out = rec.to_json()
+    out["load_factor"] = load_factor
+    return RunOutput(out, results)
+
+
+# --------------------------------------------------------------------------- command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=("http", "des"), default="http")
+    p.add_argument("--workloads", default="mooncake,gsp", help=f"comma list of {WORKLOAD_NAMES}")
+    p.add_argument("--routers", default=",".join(ALL_ROUTERS), help="comma list")
+    p.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace")
+    p.add_argument("--limit", type=int, default=400, help="requests per workload")
+    p.add_argument("--rate-scale", type=float, default=None, help="offered load multiplier")
+    p.add_argument("--engines", type=int, default=8)
+    p.add_argument("--profile", default="h100-llama-3.1-8b")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--time-scale", type=float, default=2.0, help="wall s per simulated s")
+    p.add_argument("--stream-interval", type=int, default=16)
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument(
+        "--sweep", default="", help="load factors for a TTFT-vs-load sweep, e.g. 0.5,1,1.5"
+    )
+    p.add_argument(
+        "--sweep-routers", default="kvplane,vllm-router-kv_aware,sglang-router-cache_aware"
+    )
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--quick", action="store_true", help="a small smoke run")
+
+
+# Offered load per workload (x its native rate) that puts the best peer near
+# saturation on 8 H100-8B engines; calibrated with the discrete-event mode.
+DEFAULT_RATE_SCALE = {
+    "mooncake": 4.0,
+    "gsp": 1.0,
+    "multi-round-qa": 1.0,
+    "long-doc-qa": 1.0,
+    "no-reuse": 1.0,
+}
+
+
+def _rate(args: argparse.Namespace, workload: str) -> float:
+    if args.rate_scale is not None:
+        return float(args.rate_scale)
+    return float(DEFAULT_RATE_SCALE.get(workload, 1.0) * args.engines / 8)
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _facts(args: argparse.Namespace, tokenizer: Path) -> ModelFacts:
+    from kvplane.sim.profiles import PROFILES
+
+    prof = PROFILES[args.profile]
+    return ModelFacts(
+        name=MODEL,
+        tokenizer=tokenizer,
+        block_size=args.block_size,
+        max_model_len=131072,
+        kv_bytes_per_token=prof.kv_bytes_per_token,
+        prefill_tokens_per_s=prof.prefill_tokens_per_s,
+        decode_step_ms=prof.decode_base_ms,
+    )
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    if args.quick:
+        args.limit = min(args.limit, 40)
+        args.engines = min(args.engines, 2)
+    tokenizer = Path(args.tokenizer).expanduser() if args.tokenizer else default_tokenizer_dir()
+    builder = PromptBuilder(tokenizer)
+    facts = _facts(args, tokenizer)
+    routers = _csv(args.routers)
+    sweep = [float(x) for x in _csv(args.sweep)]
+    runs: list[dict[str, Any]] = []
+    ttfts: dict[str, dict[str, list[float]]] = {}
+    if args.mode == "des":
+        return _run_des(args, builder, routers, sweep)
+    with tempfile.TemporaryDirectory(prefix="kvplane-bench-routing-") as tmp:
+        rundir = Path(tmp)
+        for wname in _csv(args.workloads):
+            for factor in [1.0, *[f for f in sweep if f != 1.0]]:
+                wl = build_workload(
+                    wname,
+                    trace=Path(args.trace) if args.trace else None,
+                    limit=args.limit,
+                    start=0,
+                    rate_scale=_rate(args, wname) * factor,
+                )
+                oracle = oracle_hit_ratio(builder, wl, args.block_size)
+                items = [ReplayItem(r, builder.text(r)) for r in wl.requests]
+                names = routers if factor == 1.0 else _csv(args.sweep_routers)
+                for router in names:
+                    out = run_one(router, wl, items, oracle, facts, args, rundir, factor)
+                    out.record["sweep"] = bool(sweep)
+                    runs.append(out.record)
+                    if factor == 1.0:
+                        ttfts.setdefault(wname, {})[router] = [
+                            r.ttft_s for r in out.results if r.ttft_s is not None
+                        ]
+                    _print_row(out.record)
+    return _finish(args, runs, ttfts)
+
+
+def _run_des(
+    args: argparse.Namespace, builder: PromptBuilder, routers: list[str], sweep: list[float]
+) -> dict[str, Any]:
+    """kvplane's own policy code on simulated engines in virtual time (no HTTP, no peers)."""
+    from kvplane.sim.des import ROUTERS, DesOptions, run_des
+
+    ours = [r for r in routers if r in ROUTERS] or list(ROUTERS)
+    runs: list[dict[str, Any]] = []
+    ttfts: dict[str, dict[str, list[float]]] = {}
+    for wname in _csv(args.workloads):
+        for factor in [1.0, *[f for f in sweep if f != 1.0]]:
+            wl = build_workload(
+                wname,
+                trace=Path(args.trace) if args.trace else None,
+                limit=args.limit or None,
+                start=0,
+                rate_scale=_rate(args, wname) * factor,
+            )
+            opts = DesOptions(oracle=oracle_hit_ratio(wl, args.block_size))
+            for router in ours:
+                bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
+                rec, results = run_des(
+                    wl,
+                    router,
+                    engines=args.engines,
+                    profile=args.profile,
+                    block_size=args.block_size,
+                    builder=builder,
+                    progress=bar,
+                    options=opts,
+                )
+                row = rec.to_json()
+                row["load_factor"] = factor
+                row["sweep"] = bool(sweep)
+                runs.append(row)
+                if factor == 1.0:
+                    ttfts.setdefault(wname, {})[router] = [
+                        r.ttft_s for r in results if r.ttft_s is not None
+                    ]
+                _print_row(row)
+    return _finish(args, runs, ttfts)
+
+
+def _print_row(r: dict[str, Any]) -> None:
+    print(
+        f"{r['workload']:>14} x{r.get('load_factor', 1.0):<4g} {r['router']:<28} "
+        f"ttft p50/p90 {r['ttft_p50_ms']:.0f}/{r['ttft_p90_ms']:.0f} ms  "
+        f"hit {r['hit_ratio']:.3f}/{r['oracle_hit_ratio']:.3f}  imb {r['imbalance']:.2f}  "
+        f"err {r['errors']}  cpu {r['router_cpu_s']:.1f}s",
+        flush=True,
+    )
+
+
+def _finish(
+    args: argparse.Namespace, runs: list[dict[str, Any]], ttfts: dict[str, dict[str, list[float]]]
+) -> dict[str, Any]:
+    date = _dt.date.today().isoformat()
+    doc: dict[str, Any] = {
+        "date": date,
+        "command": "kvplane bench routing " + " ".join(shlex.quote(a) for a in args.argv_echo),
+        "setup": {
+            "mode": args.mode,
+            "engines": args.engines,
+            "profile": args.profile,
+            "block size": args.block_size,
+            "time scale": args.time_scale,
+            "requests per workload": args.limit,
+        },
+        "machine": machine_info(),
+        "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
+        "runs": runs,
+    }
+    doc["targets"] = routing_report.check_targets(runs)
+    print(routing_report.table(runs))
+    for t in doc["targets"]:
+        print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['workload']}: {t['target']} = {t['value']}")
+    if args.no_write:
+        return doc
+    out_dir = Path(args.out_dir) if args.out_dir else repo_root() / "bench" / "results"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    suffix = "" if args.mode == "http" else "-des"
+    stem = out_dir / f"routing{suffix}-{date}"
+    json_path = stem.with_suffix(".json")
+    json_path.write_text(json.dumps(doc, indent=1) + "\n")
+    plots = routing_report.plot(doc, ttfts, stem) if ttfts else []
+    root = repo_root()
+
+    def rel(p: Path) -> str:
+        try:
+            return str(p.relative_to(root / "bench"))
+        except ValueError:
+            return str(p)
+
+    section = routing_report.render_markdown(doc, rel(json_path), [rel(p) for p in plots])
+    heading = routing_report.SECTION + ("" if args.mode == "http" else " (discrete-event)")
+    section = section.replace(routing_report.SECTION, heading, 1)
+    # a custom --out-dir (tests, experiments) keeps its own RESULTS.md
+    md = root / "bench" / "RESULTS.md" if not args.out_dir else out_dir / "RESULTS.md"
+    update_markdown(md, section, heading)
+    print(f"wrote {json_path} and {md}")
+    return doc
+
+
+def main(argv: Sequence[str] | None = None, run_fn: Callable[..., Any] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvplane bench routing", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv_echo = list(sys.argv[1:] if argv is None else argv)
+    (run_fn or run)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Routing benchmark output: the JSON document, the RESULTS.md section, targets and plots.
+
+Pure functions over the run records (plain dicts with the keys of
+``RunRecord.to_json``), so a saved JSON file can be re-rendered without a rerun.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+SECTION = "## Routing quality"
+TARGET_WORKLOADS = ("mooncake", "gsp")
+PEER_PREFIXES = ("vllm-router-", "sglang-router-")
+
+
+def _fmt(x: Any, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def best_peer(runs: Sequence[Mapping[str, Any]], workload: str) -> Mapping[str, Any] | None:
+    """The peer router run with the lowest TTFT p90 on ``workload`` (errors disqualify)."""
+    peers = [
+        r
+        for r in runs
+        if r["workload"] == workload
+        and str(r["router"]).startswith(PEER_PREFIXES)
+        and not r.get("errors")
+        and r.get("ttft_p90_ms") is not None
+    ]
+    return min(peers, key=lambda r: r["ttft_p90_ms"]) if peers else None
+
+
+def check_targets(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's targets, per target workload present in ``runs``."""
+    out: list[dict[str, Any]] = []
+    for wl in TARGET_WORKLOADS:
+        ours = next((r for r in runs if r["workload"] == wl and r["router"] == "kvplane"), None)
+        if ours is None:
+            continue
+        peer = best_peer(runs, wl)
+        if peer is not None:
+            ratio = ours["ttft_p90_ms"] / peer["ttft_p90_ms"] if peer["ttft_p90_ms"] else math.inf
+            out.append(
+                {
+                    "workload": wl,
+                    "target": f"TTFT p90 <= 0.5 x best peer ({peer['router']})",
+                    "value": round(ratio, 3),
+                    "pass": ratio <= 0.5 and not ours.get("errors"),
+                }
+            )
+        oracle = ours.get("oracle_hit_ratio") or 0.0
+        captured = ours["hit_ratio"] / oracle if oracle else math.nan
+        out.append(
+            {
+                "workload": wl,
+                "target": "captured reuse (hit / oracle) >= 0.9",
+                "value": round(captured, 3),
+                "pass": captured >= 0.9,
+            }
+        )
+        out.append(
+            {
+                "workload": wl,
+                "target": "load imbalance (max/mean prefill tokens) <= 1.2",
+                "value": round(ours["imbalance"], 3),
+                "pass": ours["imbalance"] <= 1.2,
+            }
+        )
+    return out
+
+
+def table(runs: Sequence[Mapping[str, Any]]) -> str:
+    head = (
+        "| workload | router | TTFT p50 / p90 / p99 ms | ITL p50 ms | req/s | errors "
+        "| hit | oracle | captured | imbalance | router CPU s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+    rows = []
+    for r in runs:
+        oracle = r.get("oracle_hit_ratio") or 0.0
+        captured = r["hit_ratio"] / oracle if oracle else None
+        rows.append(
+            f"| {r['workload']} | {r['router']} | {_fmt(r['ttft_p50_ms'], 0)} / "
+            f"{_fmt(r['ttft_p90_ms'], 0)} / {_fmt(r['ttft_p99_ms'], 0)} | "
+            f"{_fmt(r['itl_p50_ms'], 1)} | {_fmt(r['throughput_rps'], 2)} | {r['errors']} | "
+            f"{_fmt(r['hit_ratio'], 3)} | {_fmt(r['oracle_hit_ratio'], 3)} | "
+            f"{_fmt(captured, 2)} | {_fmt(r['imbalance'], 2)} | {_fmt(r['router_cpu_s'], 1)} |"
+        )
+    return head + "\n".join(rows) + "\n"
+
+
+def render_markdown(doc: Mapping[str, Any], json_path: str, plots: Sequence[str]) -> str:
+    setup = doc.get("setup", {})
+    lines = [
+        SECTION,
+        "",
+        f"`{doc.get('command', 'kvplane bench routing')}` on {doc.get('date', '?')} "
+        f"(raw: `{json_path}`).",
+        "",
+        "Setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()) + ".",
+        "",
+        table(doc["runs"]),
+    ]
+    targets = doc.get("targets") or []
+    if targets:
+        lines += ["Targets:", "", "| workload | target | value | result |", "|---|---|---|---|"]
+        for t in targets:
+            res = "PASS" if t["pass"] else "**FAIL**"
+            lines.append(f"| {t['workload']} | {t['target']} | {t['value']} | {res} |")
+        lines.append("")
+    if plots:
+        lines += ["Plots: " + ", ".join(f"[{Path(p).name}]({p})" for p in plots), ""]
+    for note in doc.get("notes", []):
+        lines.append(f"- {note}")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def plot(
+    doc: Mapping[str, Any], ttfts: Mapping[str, Mapping[str, Sequence[float]]], stem: Path
+) -> list[Path]:
+    """PNGs: TTFT CDF per router and workload; hit ratio against the ceiling; TTFT vs load."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out: list[Path] = []
+    runs = doc["runs"]
+    workloads = list(dict.fromkeys(r["workload"] for r in runs))
+    # 1. TTFT CDF, one panel per workload
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads, strict=True):
+        for router, xs in ttfts.get(wl, {}).items():
+            if not xs:
+                continue
+            s = sorted(x * 1000 for x in xs)
+            ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=router)
+        ax.set_xscale("log")
+        ax.set_title(f"TTFT CDF: {wl}")
+        ax.set_xlabel("TTFT (ms, simulated H100)")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = stem.with_name(stem.name + "-ttft-cdf.png")
+    fig.savefig(p, dpi=90)
+    plt.close(fig)
+    out.append(p)
+    # 2. hit ratio vs the oracle ceiling
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads, strict=True):
+        rs = [r for r in runs if r["workload"] == wl and r.get("load_factor", 1.0) == 1.0]
+        ax.barh([r["router"] for r in rs], [r["hit_ratio"] for r in rs])
+        if rs and rs[0].get("oracle_hit_ratio") is not None:
+            ax.axvline(rs[0]["oracle_hit_ratio"], color="k", linestyle="--", label="oracle")
+            ax.legend(fontsize=7)
+        ax.set_title(f"cache hit ratio: {wl}")
+        ax.set_xlim(0, 1)
+        ax.tick_params(axis="y", labelsize=7)
+    fig.tight_layout()
+    p = stem.with_name(stem.name + "-hit-ratio.png")
+    fig.savefig(p, dpi=90)
+    plt.close(fig)
+    out.append(p)
+    # 3. TTFT p90 against offered load (runs of the load sweep)
+    sweep = [r for r in runs if r.get("sweep")]
+    if sweep:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for router in dict.fromkeys(r["router"] for r in sweep):
+            pts = sorted(
+                (r["offered_rps"], r["ttft_p90_ms"])
+                for r in sweep
+                if r["router"] == router and r["ttft_p90_ms"] is not None
+            )
+            ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=router)
+        ax.set_yscale("log")
+        ax.set_xlabel("offered load (req/s, simulated)")
+        ax.set_ylabel("TTFT p90 (ms)")
+        ax.set_title(f"TTFT p90 vs offered load: {sweep[0]['workload']}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = stem.with_name(stem.name + "-ttft-vs-load.png")
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        out.append(p)
+    return out
