@@ -186,6 +186,7 @@ class SimEngine:
         digest = hashlib.sha256(f"{cfg.model}:{profile.name}".encode()).hexdigest()[:8]
         self.fingerprint = f"vllm-{VLLM_VERSION}-{digest}"
         self.routes: dict[tuple[str, str], Callable[[Request], Any]] = {}
+        self.http_requests: dict[str, int] = {}  # "METHOD /path" -> count (what probed us)
         self._register_routes()
         self.extra_routes: dict[tuple[str, str], Callable[[Request], Any]] = {}
 
@@ -404,12 +405,15 @@ class SimEngine:
         r["GET", "/metrics"] = self._metrics
         r["GET", "/load"] = self._load
         r["GET", "/kv_event_sources"] = self._kv_event_sources
-        r["GET", "/get_server_info"] = self._server_info
-        r["GET", "/get_model_info"] = self._model_info
+        # SGLang's names (sglang-router probes /server_info, then /get_server_info, ...)
+        r["GET", "/get_server_info"] = r["GET", "/server_info"] = self._server_info
+        r["GET", "/get_model_info"] = r["GET", "/model_info"] = self._model_info
         r["GET", "/sim/stats"] = self._sim_stats
 
     async def handle(self, req: Request) -> Response | StreamingResponse:
         method = "GET" if req.method == "HEAD" else req.method
+        key = f"{req.method} {req.path}"
+        self.http_requests[key] = self.http_requests.get(key, 0) + 1
         fn = self.routes.get((method, req.path)) or self.extra_routes.get((method, req.path))
         if fn is None:
             if any(path == req.path for _, path in (*self.routes, *self.extra_routes)):
@@ -524,6 +528,7 @@ class SimEngine:
                 "kv_cache_usage": s.kv_cache_usage,
                 "num_preemptions": s.num_preemptions,
                 "events_published": self.publisher.published if self.publisher else 0,
+                "http_requests": self.http_requests,
             }
         )
 

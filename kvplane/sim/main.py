@@ -1,0 +1,179 @@
+"""``kvplane sim``: serve a fleet of simulated vLLM engines until interrupted.
+
+Prints one JSON line per engine (name, url, kv_events, replay, topic, engine_id, role,
+port, bootstrap_port) once every engine listens; ``--describe FILE`` writes the same as
+a JSON list, and ``--router-config FILE`` a kvplane router config for the fleet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvplane.sim.fleet import CONNECTORS, ROLES, FleetConfig, SimFleet
+from kvplane.sim.profiles import PROFILES
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokenizer", required=True, help="tokenizer directory (HF files)")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--profile", default="h100-llama-3.1-8b", choices=sorted(PROFILES))
+    p.add_argument("--model", default="sim", help="served model name")
+    p.add_argument("--chat-template", default=None, help="template file or text")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="engine i serves HTTP on PORT+i")
+    p.add_argument("--kv-events-port", type=int, default=0, help="engine i: PUB on PORT+i")
+    p.add_argument("--replay-port", type=int, default=0, help="engine i: replay on PORT+i")
+    p.add_argument("--no-kv-events", action="store_true")
+    p.add_argument("--topic", default="kv@{name}@{model}", help="fields: name, model, index")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall seconds per simulated second (4.0 runs 4x slower than the modeled GPU)",
+    )
+    p.add_argument("--stream-interval", type=int, default=1, help="tokens per SSE chunk")
+    p.add_argument(
+        "--prefix-caching-hash-algo",
+        default="sha256",
+        choices=["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"],
+    )
+    p.add_argument("--hash-seed", default=None, help="NONE_HASH seed (vLLM: PYTHONHASHSEED)")
+    p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--cpu-offload-blocks", type=int, default=None)
+    p.add_argument(
+        "--kv-role",
+        action="append",
+        default=[],
+        choices=ROLES,
+        help="per engine, in order (repeat; one value applies to all); default both",
+    )
+    p.add_argument("--prefill", type=int, default=0, help="the first N engines are prefill")
+    p.add_argument("--kv-connector", default="nixl", choices=CONNECTORS)
+    p.add_argument("--pd-link-gbps", type=float, default=50.0, help="P/D KV transfer GB/s")
+    p.add_argument(
+        "--bootstrap-port", type=int, default=0, help="prefill engine i's bootstrap: PORT+i"
+    )
+    p.add_argument("--describe", type=Path, default=None, help="write the engines as JSON")
+    p.add_argument("--router-config", type=Path, default=None, help="write a router config")
+
+
+def fleet_config(a: argparse.Namespace) -> FleetConfig:
+    roles: list[str] = list(a.kv_role)
+    if len(roles) == 1:
+        roles = roles * a.engines
+    if a.prefill:
+        if roles:
+            raise SystemExit("kvplane sim: use --prefill or --kv-role, not both")
+        roles = ["prefill"] * a.prefill + ["decode"] * (a.engines - a.prefill)
+    return FleetConfig(
+        tokenizer=a.tokenizer,
+        engines=a.engines,
+        profile=a.profile,
+        model=a.model,
+        chat_template=a.chat_template,
+        host=a.host,
+        base_port=a.port,
+        kv_events_base_port=a.kv_events_port,
+        replay_base_port=a.replay_port,
+        kv_events=not a.no_kv_events,
+        topic=a.topic,
+        time_scale=a.time_scale,
+        stream_interval=a.stream_interval,
+        hash_algo=a.prefix_caching_hash_algo,
+        hash_seed=a.hash_seed,
+        enable_prefix_caching=not a.no_enable_prefix_caching,
+        block_size=a.block_size,
+        num_gpu_blocks=a.num_gpu_blocks,
+        max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        cpu_offload_blocks=a.cpu_offload_blocks,
+        roles=roles,
+        kv_connector=a.kv_connector,
+        pd_link_gbps=a.pd_link_gbps,
+        bootstrap_base_port=a.bootstrap_port,
+    )
+
+
+def router_config_yaml(fleet: SimFleet) -> str:
+    """A kvplane router config (in-memory index, cost policy) for this fleet."""
+    import yaml
+
+    p = fleet.profile
+    doc = {
+        "model": {
+            "name": fleet.cfg.model,
+            "tokenizer": str(fleet.cfg.tokenizer),
+            "block_size": p.block_size,
+            "max_model_len": min(p.max_model_len, p.capacity_tokens),
+            "kv_bytes_per_token": p.kv_bytes_per_token,
+            **({"chat_template": fleet.chat_template} if fleet.chat_template else {}),
+        },
+        "backends": fleet.backends(),
+        "policy": "cost",
+        "index": {"backend": "memory"},
+    }
+    return str(yaml.safe_dump(doc, sort_keys=False))
+
+
+async def serve(fleet: SimFleet, describe: Path | None, router_config: Path | None) -> None:
+    cfg = fleet.cfg
+    await fleet.start()
+    try:
+        rows = fleet.describe()
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        if describe is not None:
+            await asyncio.to_thread(describe.write_text, json.dumps(rows, indent=1) + "\n")
+        if router_config is not None:
+            await asyncio.to_thread(router_config.write_text, router_config_yaml(fleet))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        print(
+            f"kvplane sim: {len(rows)} engines ({fleet.profile.name}, time scale "
+            f"{cfg.time_scale}) serving {cfg.model}; Ctrl-C stops",
+            file=sys.stderr,
+            flush=True,
+        )
+        await stop.wait()
+    finally:
+        await fleet.stop()
+
+
+def run(a: argparse.Namespace) -> int:
+    try:
+        fleet = SimFleet(fleet_config(a))
+    except ValueError as exc:
+        print(f"kvplane sim: {exc}", file=sys.stderr)
+        return 2
+    coro = serve(fleet, a.describe, a.router_config)
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+    else:
+        uvloop.run(coro)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvplane sim", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
