@@ -72,6 +72,9 @@ class PDEngine:
     port: int = 0
     bootstrap_port: int = 0
     engine_id: str = field(default_factory=lambda: f"engine-{uuid.uuid4().hex[:8]}")
+    host: str = "127.0.0.1"  # where the engine's sockets are (its pod IP)
+    side_channel: tuple[str, int] | None = None  # NIXL: (host, port); default its HTTP server
+    transport: httpx.AsyncBaseTransport | None = None  # how a decode side reaches peers
     seen: list[Seen] = field(default_factory=list)
     kv_sent: dict[str, str] = field(default_factory=dict)  # handle -> fingerprint (prefill)
     kv_received: list[tuple[str, str]] = field(default_factory=list)  # (source, fp) (decode)
@@ -80,7 +83,10 @@ class PDEngine:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
+
+    def _client(self, timeout: float) -> httpx.AsyncClient:
+        return httpx.AsyncClient(timeout=timeout, transport=self.transport)
 
     def backend(self) -> dict[str, Any]:
         """This engine as a RouterConfig backend entry."""
@@ -151,7 +157,7 @@ class PDEngine:
 
         async def query(_: Request) -> Response:
             # MooncakeBootstrapServer.query: {dp_rank: {engine_id, worker_addr}}
-            worker = {"0": {"0": f"127.0.0.1:{self.bootstrap_port + 1}"}}
+            worker = {"0": {"0": f"{self.host}:{self.bootstrap_port + 1}"}}
             return JSONResponse({"0": {"engine_id": self.engine_id, "worker_addr": worker}})
 
         async def kv(request: Request) -> Response:
@@ -196,8 +202,8 @@ class PDEngine:
             "remote_block_ids": [[1, 2, 3]],
             "remote_engine_id": self.engine_id,
             "remote_request_id": handle,
-            "remote_host": "127.0.0.1",
-            "remote_port": self.port,  # stands for VLLM_NIXL_SIDE_CHANNEL_PORT
+            "remote_host": self.side_channel[0] if self.side_channel else self.host,
+            "remote_port": self.side_channel[1] if self.side_channel else self.port,
             "tp_size": 1,
             "dcp_size": 1,
             "pp_size": 1,
@@ -227,7 +233,7 @@ class PDEngine:
             return self._answer(body, chat, f"local:{self.name}", None)
         if self.protocol == "mooncake":
             addr = params["remote_bootstrap_addr"]
-            async with httpx.AsyncClient(timeout=5.0) as client:
+            async with self._client(5.0) as client:
                 q = (await client.get(addr + "/query")).json()
             if params["remote_engine_id"] not in {e["engine_id"] for e in q.values()}:
                 raise KVError(500, "remote engine id not found from bootstrap server")
@@ -244,7 +250,7 @@ class PDEngine:
 
     async def _wait_kv(self, url: str, wait: bool = True) -> dict[str, Any]:
         deadline = time.monotonic() + WAIT_S
-        async with httpx.AsyncClient(timeout=2.0) as client:
+        async with self._client(2.0) as client:
             for _ in range(int(WAIT_S / 0.02) + 1):  # bounded
                 try:
                     r = await client.get(url)
