@@ -329,9 +329,11 @@ def render_metrics(
     )
     for name, help_, h in hists.families():
         p.histogram(name, help_, h)
-    p.gauge(
-        "vllm:cache_config_info",
-        "Information of the LLMEngine CacheConfig",
-        [(dict(cache_config), 1.0)],
-    )
+    # an info gauge: the engine index and the config, no model_name (as vLLM writes it)
+    info = _labels({"engine": engine, **cache_config})
+    p.lines += [
+        "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+        "# TYPE vllm:cache_config_info gauge",
+        f"vllm:cache_config_info{{{info}}} 1.0",
+    ]
     return "\n".join(p.lines) + "\n"
