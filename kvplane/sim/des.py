@@ -105,7 +105,9 @@ def profile_for(name: str, block_size: int | None) -> EngineProfile:
 
 
 def cost_params_for(profile: EngineProfile) -> CostParams:
-    """Cost parameters as an operator would calibrate them for this engine."""
+    """Cost parameters as an operator would calibrate them for this engine: its prefill
+    rate, decode step and CPU link; the rest at the router's defaults (the same
+    calibration the HTTP benchmark renders into the router's config)."""
     base = CostParams()
     tiers = dict(base.tiers)
     tiers[Tier.DRAM] = TierCost(bandwidth_gbps=profile.cpu_bandwidth_gbps, latency_ms=0.05)
@@ -113,7 +115,6 @@ def cost_params_for(profile: EngineProfile) -> CostParams:
         update={
             "prefill_tokens_per_s": profile.prefill_tokens_per_s,
             "decode_step_ms": profile.decode_base_ms,
-            "running_step_ms_per_request": profile.decode_per_seq_ms,
             "tiers": tiers,
         }
     )
