@@ -334,6 +334,8 @@ def test_metrics_parse_with_prometheus_client(fleet: SimFleet) -> None:
     families = {f.name: f for f in text_string_to_metric_families(text)}
     assert set(VLLM_NAMES) <= set(families)
     for fam in families.values():
+        if fam.name == "vllm:cache_config_info":  # an info gauge: engine and config only
+            continue
         for s in fam.samples:
             if s.name.endswith("_created") or "le" in s.labels:
                 continue
@@ -500,3 +502,178 @@ def test_sglang_router_cache_aware_routes_through_the_fleet(
     stats = [sim_stats(e.url) for e in fleet.engines]
     assert sum(s["requests"] for s in stats) - before >= 6
     assert all(s["http_requests"].get("GET /get_server_info", 0) >= 1 for s in stats)
+
+
+# ---- prefill/decode disaggregation ---------------------------------------------------------
+
+
+@contextlib.contextmanager
+def pd_fleet(fleet: SimFleet, tokenizer_dir: Path, connector: str) -> Iterator[SimFleet]:
+    cfg = FleetConfig(
+        tokenizer=str(tokenizer_dir),
+        engines=2,
+        model="tiny",
+        profile="cpu-tiny",
+        roles=("prefill", "decode"),
+        kv_connector=connector,
+        names=("p0", "d0"),
+    )
+    with running_fleet(cfg, tokenizer=fleet.tokenizer) as f:
+        yield f
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    return sum(s.value for s in fams[name].samples if s.name.endswith("_total"))
+
+
+def check_handoff(prefill: str, decode: str, prompt_tokens: int) -> None:
+    """The decode engine received the prompt's KV and computed only its last block."""
+    d = sim_stats(decode)
+    assert d["transferred_tokens"] >= (prompt_tokens - 1) // BLOCK * BLOCK - BLOCK > 0
+    assert d["prefill_tokens_computed"] <= BLOCK
+    assert metric(decode, "vllm:external_prefix_cache_hits") == d["transferred_tokens"]
+    p = sim_stats(prefill)
+    assert p["prefill_tokens_computed"] >= prompt_tokens - BLOCK
+    deadline = time.monotonic() + TIMEOUT
+    while sim_stats(prefill)["pinned_requests"]:  # pulled: the prefill frees its blocks
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_nixl_handoff_prefill_then_decode(fleet: SimFleet, tokenizer_dir: Path) -> None:
+    from kvplane.router.pd import protocols as pr
+
+    with pd_fleet(fleet, tokenizer_dir, "nixl") as f:
+        p0, d0 = f.engines
+        body = {
+            "model": "tiny",
+            "prompt": unique(300),
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        first = httpx.post(f"{p0.url}/v1/completions", json=pr.nixl_prefill_body(body))
+        assert first.status_code == 200, first.text
+        params = pr.kv_transfer_params(first.json())
+        assert params is not None and params["remote_engine_id"] == p0.cfg.engine_id
+        assert params["do_remote_prefill"] is True and params["remote_block_ids"][0]
+        assert first.json()["usage"]["completion_tokens"] == 1
+        assert sim_stats(p0.url)["pinned_requests"] == 1
+
+        with httpx.stream(
+            "POST", f"{d0.url}/v1/completions", json=pr.nixl_decode_body(body, params)
+        ) as r:
+            assert r.status_code == 200
+            chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == " ok" * 4
+        usage = chunks[-1]["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] - BLOCK
+        check_handoff(p0.url, d0.url, usage["prompt_tokens"])
+
+        # what a real engine refuses: a pulled handle again, an unknown engine, wrong roles
+        again = httpx.post(
+            f"{d0.url}/v1/completions", json={**pr.nixl_decode_body(body, params), "stream": False}
+        )
+        assert again.status_code == 500 and again.json()["error"]["code"] == 500
+        bogus = {**params, "remote_engine_id": "nope", "remote_port": 1}
+        r = httpx.post(f"{d0.url}/v1/completions", json=pr.nixl_decode_body(body, bogus))
+        assert r.status_code == 500 and "unknown remote engine" in r.json()["error"]["message"]
+        r = httpx.post(f"{p0.url}/v1/completions", json=pr.nixl_decode_body(body, params))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+        r = httpx.post(f"{d0.url}/v1/completions", json=pr.nixl_prefill_body(body))
+        assert r.status_code == 400
+        partial = {k: v for k, v in params.items() if k != "remote_request_id"}
+        r = httpx.post(f"{d0.url}/v1/completions", json=pr.nixl_decode_body(body, partial))
+        assert r.status_code == 400 and "remote_request_id" in r.json()["error"]["message"]
+        # a prompt under one block: no handle, as vLLM
+        short = httpx.post(
+            f"{p0.url}/v1/completions", json=pr.nixl_prefill_body({"prompt": "hi"})
+        ).json()
+        assert short["kv_transfer_params"] is None
+
+
+async def test_mooncake_handoff_concurrent_legs(fleet: SimFleet, tokenizer_dir: Path) -> None:
+    import asyncio
+
+    from kvplane.router.pd import protocols as pr
+
+    with pd_fleet(fleet, tokenizer_dir, "mooncake") as f:
+        p0, d0 = f.engines
+        assert p0.bootstrap_port is not None and d0.bootstrap_port is None
+        addr = pr.bootstrap_addr(p0.url, p0.bootstrap_port)
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            ids = pr.mooncake_engine_ids((await c.get(f"{addr}/query")).json())
+            assert ids == {0: p0.cfg.engine_id}
+            messages = [{"role": "user", "content": unique(300)}]
+            body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 3}
+            xfer = pr.transfer_id(uuid.uuid4().hex)
+            # the decode leg first: it waits for its prefill, matched by transfer_id
+            decode = asyncio.ensure_future(
+                c.post(
+                    f"{d0.url}/v1/chat/completions",
+                    json=pr.mooncake_decode_body(body, xfer, addr, ids[0]),
+                )
+            )
+            await asyncio.sleep(0.1)
+            prefill = await c.post(
+                f"{p0.url}/v1/chat/completions", json=pr.mooncake_prefill_body(body, xfer)
+            )
+            assert prefill.status_code == 200 and prefill.json()["kv_transfer_params"] is None
+            answer = await decode
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["choices"][0]["message"]["content"] == " ok" * 3
+        check_handoff(p0.url, d0.url, answer.json()["usage"]["prompt_tokens"])
+
+
+async def test_sglang_handoff_same_body_to_both(fleet: SimFleet, tokenizer_dir: Path) -> None:
+    import asyncio
+
+    from kvplane.router.pd import protocols as pr
+
+    with pd_fleet(fleet, tokenizer_dir, "sglang") as f:
+        p0, d0 = f.engines
+        assert p0.bootstrap_port is not None
+        plain = {"model": "tiny", "prompt": unique(300), "max_tokens": 5}
+        body = pr.sglang_body(plain, pr.host_of(p0.url), p0.bootstrap_port, pr.bootstrap_room())
+        async with httpx.AsyncClient(timeout=TIMEOUT) as c:
+            prefill, decode = await asyncio.gather(
+                c.post(f"{p0.url}/v1/completions", json=body),
+                c.post(f"{d0.url}/v1/completions", json=body),
+            )
+            assert prefill.status_code == 200 and decode.status_code == 200, decode.text
+            assert prefill.json()["usage"]["completion_tokens"] == 1  # it only prefills
+            assert decode.json()["usage"]["completion_tokens"] == 5
+            check_handoff(p0.url, d0.url, decode.json()["usage"]["prompt_tokens"])
+            # disaggregated SGLang servers need the bootstrap fields
+            r = await c.post(f"{d0.url}/v1/completions", json=plain)
+            assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
+
+
+def test_kvplane_router_disaggregates_over_the_sim(fleet: SimFleet, tokenizer_dir: Path) -> None:
+    with pd_fleet(fleet, tokenizer_dir, "nixl") as f:
+        p0, d0 = f.engines
+        config = RouterConfig.model_validate(
+            {
+                "model": {
+                    "name": "tiny",
+                    "tokenizer": str(tokenizer_dir),
+                    "block_size": BLOCK,
+                    "max_model_len": 8192,
+                    "kv_bytes_per_token": f.profile.kv_bytes_per_token,
+                },
+                "backends": f.backends(),
+                "scrape_interval_s": 0.2,
+                "pd": {"connector": "nixl", "aggregate_max_uncached_tokens": 0},
+            }
+        )
+        with serve_router(config) as router:
+            body = {"model": "tiny", "prompt": unique(400), "max_tokens": 3}
+            r = httpx.post(f"{router.url}/v1/completions", json=body, timeout=TIMEOUT)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvplane-pd"] == "disaggregated"
+            assert r.headers["x-kvplane-prefill-pod"] == "p0"
+            assert r.headers["x-kvplane-decode-pod"] == "d0"
+            assert r.json()["usage"]["completion_tokens"] == 3
+            check_handoff(p0.url, d0.url, r.json()["usage"]["prompt_tokens"])

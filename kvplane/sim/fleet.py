@@ -104,8 +104,9 @@ class SimFleet:
             raise ValueError(f"kv_connector must be one of {CONNECTORS}")
         self.cfg = cfg
         self.profile = resolve_profile(cfg)
+        self.chat_template = read_chat_template(cfg.chat_template)
         self.tokenizer = tokenizer or PromptTokenizer(
-            cfg.tokenizer, chat_template=read_chat_template(cfg.chat_template)
+            cfg.tokenizer, chat_template=self.chat_template
         )
         self.output = OutputToken.for_tokenizer(self.tokenizer)
         self.registry = EngineRegistry()
@@ -167,9 +168,9 @@ class SimFleet:
             for e in self.engines
         ]
 
-    def backends(self) -> list[dict[str, str]]:
-        """kvplane router backend entries."""
-        return [e.backend() for e in self.engines]
+    def backends(self) -> list[dict[str, Any]]:
+        """kvplane router backend entries (with P/D roles and bootstrap ports)."""
+        return [e.router_backend() for e in self.engines]
 
 
 @contextlib.contextmanager

@@ -124,6 +124,8 @@ def router_config_yaml(fleet: SimFleet) -> str:
         "policy": "cost",
         "index": {"backend": "memory"},
     }
+    if any(e.cfg.kv_role != "both" for e in fleet.engines):
+        doc["pd"] = {"connector": fleet.cfg.kv_connector}
     return str(yaml.safe_dump(doc, sort_keys=False))
 
 

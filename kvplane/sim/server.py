@@ -28,7 +28,9 @@ from typing import Any, Final
 
 from kvplane.router.tokens import ChatFormatError, ChatOptions, PromptTokenizer
 from kvplane.sim import openai_api as api
+from kvplane.sim import pd
 from kvplane.sim.engine import EngineCore, EngineStats, SimRequest, StepOutput
+from kvplane.sim.hashing import block_hashes
 from kvplane.sim.httpd import HttpServer, Request, Response, StreamingResponse
 from kvplane.sim.metrics import RequestHistograms, TransferCounters, render_metrics
 from kvplane.sim.profiles import EngineProfile
@@ -114,6 +116,9 @@ class _Gen:
     subs: list[_Sub] = field(default_factory=list)
     waiter: asyncio.Future[None] | None = None
     open_subs: int = 0
+    plan: pd.Plan | None = None  # this request's side of a P/D handoff
+    prompt: list[int] = field(default_factory=list)  # kept for a P/D prefill's blocks
+    kv_transfer_params: dict[str, Any] | None = None  # a NIXL prefill's answer
 
     def wake(self) -> None:
         w = self.waiter
@@ -175,6 +180,11 @@ class SimEngine:
         self.counters = SimCounters()
         self.transfers = TransferCounters()
         self._aborts = 0
+        self._xfer_hits = 0  # prompt tokens received from prefill engines (P/D)
+        self._xfer_queries = 0
+        self.pins: dict[str, pd.Pin] = {}  # request id -> blocks held for a decode side
+        self.link = pd.Link()  # inbound KV transfers queue here
+        self.bootstrap: HttpServer | None = None
         self._subs: dict[str, _Sub] = {}
         self._unscheduled: dict[str, _Sub] = {}
         self._wake = asyncio.Event()
@@ -202,8 +212,8 @@ class SimEngine:
 
     @property
     def bootstrap_port(self) -> int | None:
-        """Mooncake/SGLang bootstrap port (prefill engines with those connectors)."""
-        return None
+        """Mooncake/SGLang bootstrap server port (prefill engines with those connectors)."""
+        return self.bootstrap.port if self.bootstrap is not None else None
 
     @property
     def events_endpoint(self) -> str | None:
@@ -222,6 +232,15 @@ class SimEngine:
             entry["replay"] = self.replay_endpoint
         return entry
 
+    def router_backend(self) -> dict[str, Any]:
+        """The kvplane router backend entry, with the P/D role and bootstrap port."""
+        entry: dict[str, Any] = dict(self.backend())
+        if self.cfg.kv_role != "both":
+            entry["role"] = self.cfg.kv_role
+        if self.bootstrap_port is not None:
+            entry["bootstrap_port"] = self.bootstrap_port
+        return entry
+
     async def start(self) -> None:
         cfg = self.cfg
         if cfg.kv_events:
@@ -234,6 +253,9 @@ class SimEngine:
             )
             self.publisher.start()
         await self.http.start()
+        if cfg.kv_role == "prefill" and cfg.kv_connector in ("mooncake", "sglang"):
+            self.bootstrap = HttpServer(self._bootstrap_handle, cfg.host, cfg.bootstrap_port or 0)
+            await self.bootstrap.start()
         self._task = asyncio.get_running_loop().create_task(self._drive())
         if self.registry is not None:
             self.registry.add(self)
@@ -247,6 +269,11 @@ class SimEngine:
                 await self._task
             self._task = None
         await self.http.close()
+        if self.bootstrap is not None:
+            await self.bootstrap.close()
+            self.bootstrap = None
+        for pin in list(self.pins.values()):
+            pin.release()
         if self.publisher is not None:
             await self.publisher.aclose()
             self.publisher = None
@@ -314,10 +341,13 @@ class SimEngine:
                     sub.cached = self.core.cached_tokens(rid) or 0
                     self._unscheduled.pop(rid, None)
                 h.ttft.observe((wall - sub.t_arrival) / scale)
-                computed = max(0, sub.prompt_len - sub.cached - sub.transferred)
+                computed = max(0, sub.prompt_len - sub.cached)
+                xfer = min(sub.transferred, sub.cached)  # received blocks hit as cached
                 c.prompt_tokens += sub.prompt_len
-                c.cached_tokens += sub.cached
+                c.cached_tokens += sub.cached - xfer
+                c.transferred_tokens += xfer
                 c.prefill_tokens_computed += computed
+                self._xfer_hits += xfer
                 h.prefill_kv_computed.observe(computed)
             else:
                 h.itl.observe((wall - sub.t_last) / scale)
@@ -354,8 +384,11 @@ class SimEngine:
         h.max_num_generation_tokens.observe(sub.max_tokens)
         h.max_tokens.observe(sub.max_tokens)
         h.params_n.observe(1)
-        sub.gen.open_subs -= 1
-        sub.gen.wake()
+        gen = sub.gen
+        if gen.plan is not None and gen.plan.role == pd.PRODUCE:
+            self._produced(gen, sub)
+        gen.open_subs -= 1
+        gen.wake()
 
     def submit(self, gen: _Gen, sub: _Sub, prompt: list[int], ktp: dict[str, Any] | None) -> None:
         """Queue one engine request (raises ValueError as the core does)."""
@@ -368,6 +401,10 @@ class SimEngine:
         self._wake.set()
 
     def abort(self, gen: _Gen) -> None:
+        plan = gen.plan
+        unfinished = any(s.finish is None for s in gen.subs)
+        if unfinished and plan and plan.role == pd.PRODUCE and plan.key and self.registry:
+            self.registry.board.fail(plan.key, "the prefill request was aborted")
         for sub in gen.subs:
             if sub.finish is None and sub.rid in self._subs:
                 self.core.abort(sub.rid)
@@ -378,10 +415,129 @@ class SimEngine:
                 self.counters.aborted += 1
 
     def stats(self) -> EngineStats:
+        """The core's counters as vLLM reports them: KV received from a prefill engine is
+        an external (connector) hit, not a local prefix-cache hit."""
         s = self.core.stats()
         if self._aborts:
             s.request_success = {**s.request_success, "abort": self._aborts}
+        if self._xfer_hits:
+            s.prefix_cache_hits = max(0, s.prefix_cache_hits - self._xfer_hits)
+            s.prompt_tokens_cached = max(0, s.prompt_tokens_cached - self._xfer_hits)
+        self.transfers = TransferCounters(self._xfer_queries, self._xfer_hits)
         return s
+
+    # ---- P/D ----------------------------------------------------------------------------
+
+    def _prompt_hashes(self, prompt: list[int]) -> list[bytes]:
+        bs = self.core.profile.block_size
+        return block_hashes(prompt, bs, self.cfg.hash_algo, self.cfg.hash_seed)
+
+    def _produced(self, gen: _Gen, sub: _Sub) -> None:
+        """A prefill for a remote decode finished: hold its blocks for the lease and
+        leave the handle where the decode side looks (NIXL: in the answer)."""
+        plan = gen.plan
+        assert plan is not None
+        scale = self.cfg.time_scale
+        hashes = self._prompt_hashes(gen.prompt)
+        blocks = pd.pin_prefix(self.core, hashes)
+        if not blocks:  # not one full block: nothing to hand off (vLLM returns no params)
+            if plan.key and self.registry is not None:
+                self.registry.board.fail(plan.key, "the prompt is shorter than one block")
+            return
+        pin = pd.Pin(
+            self.cfg.engine_id,
+            sub.rid,
+            sub.prompt_len,
+            hashes[: len(blocks)],
+            blocks,
+            self._release_pin,
+            key=plan.key,
+        )
+        self.pins[sub.rid] = pin
+        pin.timer = asyncio.get_running_loop().call_later(pd.LEASE_S * scale, pin.release)
+        if plan.connector == "nixl":
+            gen.kv_transfer_params = pd.nixl_params(
+                pin, self.cfg.host, self.port, time.time() + pd.LEASE_S * scale, sub.prompt_len
+            )
+        elif plan.key and self.registry is not None:
+            self.registry.board.offer(plan.key, pin)
+
+    def _release_pin(self, pin: pd.Pin) -> None:
+        pd.unpin(self.core, pin.blocks)
+        self.pins.pop(pin.request_id, None)
+        if pin.key and self.registry is not None:
+            self.registry.board.drop(pin.key)
+
+    async def _receive(self, plan: pd.Plan, prompt: list[int]) -> int:
+        """The decode side: find the prefill's blocks, wait for the transfer of what this
+        engine lacks, cache them here. Returns the prompt tokens received."""
+        registry = self.registry
+        if registry is None:
+            raise pd.transfer_failed("no engine registry (a lone engine has no peers)")
+        scale = self.cfg.time_scale
+        if plan.connector == "nixl":
+            params = plan.params
+            addr = f"{params.get('remote_host')}:{params.get('remote_port')}"
+            source = registry.find(str(params.get("remote_engine_id")), addr)
+            if source is None:
+                raise pd.transfer_failed(f"unknown remote engine {params.get('remote_engine_id')}")
+            pin = source.pins.get(str(params.get("remote_request_id")))
+            if pin is None:
+                raise pd.transfer_failed(
+                    f"{source.cfg.name} no longer holds {params.get('remote_request_id')} "
+                    "(lease over or unknown request)"
+                )
+        else:
+            assert plan.key is not None
+            if plan.connector == "mooncake":
+                if registry.find(str(plan.params.get("remote_engine_id"))) is None:
+                    raise pd.transfer_failed(
+                        f"unknown remote engine {plan.params.get('remote_engine_id')}"
+                    )
+            elif f"{plan.params.get('host')}:{plan.params.get('port')}" not in (
+                registry.by_bootstrap
+            ):
+                raise pd.transfer_failed(
+                    f"no prefill server bootstraps at {plan.params.get('host')}:"
+                    f"{plan.params.get('port')}"
+                )
+            try:
+                pin = await registry.board.take(plan.key, pd.HANDOFF_TIMEOUT_S * scale)
+            except pd.HandoffFailed as exc:
+                raise pd.transfer_failed(str(exc)) from exc
+            if pin.released:
+                raise pd.transfer_failed("the prefill's lease ended before the transfer")
+        bs = self.core.profile.block_size
+        hashes = self._prompt_hashes(prompt)[: (len(prompt) - 1) // bs]
+        common = 0
+        for mine, theirs in zip(hashes, pin.hashes, strict=False):
+            if mine != theirs:
+                break
+            common += 1
+        local = pd.local_prefix_blocks(self.core, hashes[:common])
+        seconds = pd.transfer_seconds(
+            (common - local) * bs, self.core.profile.kv_bytes_per_token, self.cfg.pd_link_gbps
+        )
+        loop = asyncio.get_running_loop()
+        end = self.link.reserve(loop.time(), seconds * scale)
+        try:
+            if end > loop.time():
+                await asyncio.sleep(end - loop.time())
+            local = pd.local_prefix_blocks(self.core, hashes[:common])  # may have changed
+            inserted = pd.insert_prefix(self.core, hashes, prompt, local, common - local)
+        finally:
+            pin.release()  # pulled (or given up): the prefill engine frees its blocks
+        self._xfer_queries += len(prompt) - local * bs
+        return inserted
+
+    async def _bootstrap_handle(self, req: Request) -> Response:
+        """A Mooncake bootstrap server's ``GET /query`` (engine id per DP rank)."""
+        if req.method == "GET" and req.path == "/query":
+            entry = {"engine_id": self.cfg.engine_id, "dp_rank": 0, "host": self.cfg.host}
+            return api.json_response({"0": entry})
+        if req.method == "GET" and req.path == "/health":
+            return Response(200, b"", "")
+        return api.not_found()
 
     def next_id(self) -> int:
         self._ids += 1
@@ -529,6 +685,8 @@ class SimEngine:
                 "num_preemptions": s.num_preemptions,
                 "events_published": self.publisher.published if self.publisher else 0,
                 "http_requests": self.http_requests,
+                "pinned_requests": len(self.pins),
+                "bootstrap_port": self.bootstrap_port,
             }
         )
 
@@ -655,9 +813,23 @@ class SimEngine:
         except api.ApiError:
             self.counters.rejected += 1
             raise
+        plan = pd.plan(self.cfg.kv_role, self.cfg.kv_connector, obj, p.kv_transfer_params)
+        transferred = 0
+        if plan is not None:
+            if len(prompts) != 1 or p.n != 1:
+                self.counters.rejected += 1
+                raise api.ApiError(
+                    400, "a P/D handoff carries one sequence (n=1, one prompt)", param="n"
+                )
+            if plan.role == pd.PRODUCE and plan.connector == "sglang":
+                limits = [1]  # an SGLang prefill server only prefills
+            if plan.role == pd.CONSUME:
+                transferred = await self._receive(plan, prompts[0])
         base = req.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         public_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
-        gen = _Gen(n=p.n)
+        gen = _Gen(n=p.n, plan=plan)
+        if plan is not None:
+            gen.prompt = prompts[0]
         now = time.monotonic()
         serial = self.next_id()
         try:
@@ -667,6 +839,7 @@ class SimEngine:
                     sub = _Sub(
                         f"{public_id}-{index}-{serial}", index, len(ids), max_tokens, gen, now
                     )
+                    sub.transferred = transferred
                     self.submit(gen, sub, ids, p.kv_transfer_params)
         except ValueError as exc:
             self.abort(gen)
@@ -715,7 +888,7 @@ class SimEngine:
             choices,
             self._usage(gen, p.chat, stream=False),
             self.fingerprint,
-            None,
+            gen.kv_transfer_params,
         )
 
     async def _stream(
@@ -746,20 +919,23 @@ class SimEngine:
                     finish = s.finish if s.finish is not None and s.finish != "abort" else None
                     if finish is not None:
                         done.add(s.index)
+                    last = finish is not None and not p.include_usage
                     parts.append(
                         w.delta(
                             s.index,
                             text * pending,
                             finish,
                             usage_=cont,
-                            fingerprint=finish is not None and not p.include_usage,
+                            fingerprint=last,
+                            kv_transfer_params=gen.kv_transfer_params if last else None,
                         )
                     )
                 if parts:
                     yield b"".join(parts)
                 if gen.open_subs <= 0 and all(s.n_out == s.n_sent for s in gen.subs):
                     break
-            tail = [w.usage_chunk(self._usage(gen, p.chat, stream=True))] if p.include_usage else []
+            usage = self._usage(gen, p.chat, stream=True)
+            tail = [w.usage_chunk(usage, gen.kv_transfer_params)] if p.include_usage else []
             yield b"".join([*tail, w.done()])
         finally:
             self.abort(gen)
@@ -793,14 +969,20 @@ class EngineRegistry:
     def __init__(self) -> None:
         self.by_id: dict[str, SimEngine] = {}
         self.by_addr: dict[str, SimEngine] = {}
+        self.by_bootstrap: dict[str, SimEngine] = {}
+        self.board = pd.HandoffBoard()  # concurrent P/D legs meet here
 
     def add(self, engine: SimEngine) -> None:
         self.by_id[engine.cfg.engine_id] = engine
         self.by_addr[f"{engine.cfg.host}:{engine.port}"] = engine
+        if engine.bootstrap_port is not None:
+            self.by_bootstrap[f"{engine.cfg.host}:{engine.bootstrap_port}"] = engine
 
     def remove(self, engine: SimEngine) -> None:
         self.by_id.pop(engine.cfg.engine_id, None)
         self.by_addr.pop(f"{engine.cfg.host}:{engine.port}", None)
+        if engine.bootstrap_port is not None:
+            self.by_bootstrap.pop(f"{engine.cfg.host}:{engine.bootstrap_port}", None)
 
     def find(self, engine_id: str | None = None, addr: str | None = None) -> SimEngine | None:
         if engine_id and engine_id in self.by_id:
