@@ -72,8 +72,11 @@ def choose_by_cost(
     capped = over_cap(loads, params)
     eligible = [p for p in pods if p not in capped] or pods
 
+    w = params.recompute_weight
+
     def rank_key(p: str) -> tuple[float, int, str]:
-        return (terms[p].ttft_ms, loads[p].inflight, p)
+        t = terms[p]
+        return (t.ttft_ms + (w - 1.0) * t.recompute_ms, loads[p].inflight, p)
 
     ranked = sorted(eligible, key=rank_key) + sorted(set(pods) - set(eligible), key=rank_key)
     best = ranked[0]

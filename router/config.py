@@ -97,6 +97,12 @@ class CostParams(_Strict):
     kv_pressure_threshold: Annotated[float, Field(ge=0, le=1)] = 0.9
     kv_pressure_penalty_ms: Annotated[float, Field(ge=0)] = 200.0
     tiers: dict[Tier, TierCost] = Field(default_factory=_default_tiers)
+    recompute_weight: Annotated[float, Field(ge=1)] = Field(
+        default=4.0,
+        description="ranking weight of recompute against waiting: every token a pod "
+        "recomputes also delays the requests queued behind it, so under load a pod that "
+        "holds the prefix is worth a longer queue than one predicted TTFT shows",
+    )
     load_cap: Annotated[float, Field(ge=1)] = Field(
         default=2.0,
         description="a pod with more than load_cap x the mean in-flight requests (+ slack) is "

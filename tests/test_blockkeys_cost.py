@@ -93,6 +93,23 @@ def test_cost_prefers_the_cached_pod_until_its_queue_costs_more() -> None:
     assert d.pod == "b" and d.reason == Reason.LOAD_OVER_CACHE
 
 
+def test_recompute_weight_keeps_a_prefix_on_its_pod_through_a_moderate_queue() -> None:
+    # P's rate is 10k tok/s: b must compute all 2000 tokens (200 ms) but starts at once; a
+    # holds 1500 of them (50 ms left) behind a 300 ms queue. Plain TTFT picks b; weighting
+    # recompute (it also delays everyone queued behind it on b) keeps the prompt with its
+    # prefix.
+    loads = {"a": PodLoad(pending_prefill_tokens=3000, pending_requests=1, inflight=1)}
+    loads["b"] = PodLoad()
+    plain = P.model_copy(update={"recompute_weight": 1.0})
+    d = choose_by_cost(2000, {"a": match(h=150), "b": match()}, loads, plain, 10, 1000, 512)
+    assert d.pod == "b" and d.terms["b"].ttft_ms < d.terms["a"].ttft_ms
+    weighted = P.model_copy(update={"recompute_weight": 4.0})
+    d = choose_by_cost(2000, {"a": match(h=150), "b": match()}, loads, weighted, 10, 1000, 512)
+    assert d.pod == "a" and d.reason == Reason.CACHE
+    # the predicted TTFT itself is unchanged: the weight only ranks
+    assert d.terms["b"].recompute_ms == pytest.approx(200.0)
+
+
 def test_load_cap_stops_a_shared_first_block_from_herding() -> None:
     loads = {"a": PodLoad(inflight=20), "b": PodLoad(inflight=1), "c": PodLoad(inflight=0)}
     assert over_cap(loads, P) == {"a"}
