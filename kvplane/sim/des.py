@@ -124,8 +124,7 @@ def router_events(events: Sequence[se.KVEvent]) -> list[rk.KVEvent]:
     """The simulator's events as the router's decoder would produce them.
 
     vLLM sends one ``BlockRemoved`` per evicted block; consecutive ones of a tier are
-    merged here (the ingest applies them hash by hash all the same), which saves the
-    simulator a third of its ingest work on an eviction-heavy trace.
+    merged here into one list (the ingest applies them hash by hash all the same).
     """
     out: list[rk.KVEvent] = []
     for ev in events:
