@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import signal
 import sys
@@ -132,6 +133,7 @@ def router_config_yaml(fleet: SimFleet) -> str:
 async def serve(fleet: SimFleet, describe: Path | None, router_config: Path | None) -> None:
     cfg = fleet.cfg
     await fleet.start()
+    gc.freeze()  # the tokenizer and the pools live for the whole run: keep them out of GC passes
     try:
         rows = fleet.describe()
         for row in rows:

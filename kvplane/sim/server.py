@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 VLLM_VERSION: Final = "0.33.0"
 MAX_CATCH_UP_S: Final = 0.1  # wall seconds a busy engine may run behind its timeline
+LATE_S: Final = 0.002  # a step starting later than this counts as late (timers are ~1 ms)
 INLINE_TOKENIZE_CHARS: Final = 4096  # longer texts are tokenized off the event loop
 OUTPUT_TEXT: Final = " ok"  # every generated token is this word's token
 
@@ -145,6 +146,10 @@ class SimCounters:
     generation_tokens: int = 0
     steps: int = 0
     busy_s: float = 0.0  # simulated seconds spent in steps
+    # event-loop health (wall seconds): a step that began after its modeled start
+    late_steps: int = 0
+    max_lag_s: float = 0.0
+    lag_resyncs: int = 0  # lags beyond MAX_CATCH_UP_S: the modeled timeline slipped
 
 
 class SimEngine:
@@ -174,12 +179,14 @@ class SimEngine:
             enable_prefix_caching=cfg.enable_prefix_caching,
         )
         self.max_model_len = cfg.max_model_len
+        self.vocab_size = len(tokenizer.hf)
         self.http = HttpServer(self.handle, cfg.host, cfg.port)
         self.publisher: KVEventPublisher | None = None
         self.hists = RequestHistograms(self.max_model_len)
         self.counters = SimCounters()
         self.transfers = TransferCounters()
         self._aborts = 0
+        self.dead: str | None = None  # why the engine loop died (then /health is 503)
         self._xfer_hits = 0  # prompt tokens received from prefill engines (P/D)
         self._xfer_queries = 0
         self.pins: dict[str, pd.Pin] = {}  # request id -> blocks held for a decode side
@@ -286,6 +293,18 @@ class SimEngine:
         return (t - self._t0) / self.cfg.time_scale
 
     async def _drive(self) -> None:
+        try:
+            await self._run_steps()
+        except Exception as exc:  # a broken core is vLLM's EngineDeadError: fail loudly
+            log.exception("engine %s died", self.cfg.name)
+            self.dead = f"{type(exc).__name__}: {exc}"
+            for sub in list(self._subs.values()):
+                del self._subs[sub.rid]
+                sub.finish = "error"
+                sub.gen.open_subs -= 1
+                sub.gen.wake()
+
+    async def _run_steps(self) -> None:
         loop = asyncio.get_running_loop()
         scale = self.cfg.time_scale
         next_start: float | None = None
@@ -296,6 +315,12 @@ class SimEngine:
                 next_start = None
             now = loop.time()
             start = now if next_start is None or now - next_start > MAX_CATCH_UP_S else next_start
+            if next_start is not None and now - next_start > LATE_S:
+                lag = now - next_start  # the loop got here late: how far behind the model
+                self.counters.late_steps += 1
+                self.counters.max_lag_s = max(self.counters.max_lag_s, lag)
+                if lag > MAX_CATCH_UP_S:
+                    self.counters.lag_resyncs += 1
             wall_start = time.monotonic() - (now - start)
             out = self.core.step()
             self._note_scheduled(wall_start)
@@ -582,7 +607,7 @@ class SimEngine:
         return result
 
     async def _health(self, _req: Request) -> Response:
-        return Response(200, b"", "")
+        return Response(503 if self.dead else 200, b"", "")
 
     async def _models(self, _req: Request) -> Response:
         root = self.cfg.tokenizer_path or self.cfg.model
@@ -679,6 +704,9 @@ class SimEngine:
                 "generation_tokens": c.generation_tokens,
                 "steps": c.steps,
                 "busy_s": c.busy_s,
+                "late_steps": c.late_steps,
+                "max_lag_s": c.max_lag_s,
+                "lag_resyncs": c.lag_resyncs,
                 "num_running": s.num_running,
                 "num_waiting": s.num_waiting,
                 "kv_cache_usage": s.kv_cache_usage,
@@ -715,10 +743,12 @@ class SimEngine:
             raise api.ApiError(400, str(exc), "BadRequestError", "messages") from exc
 
     def check_ids(self, ids: list[int]) -> None:
-        vocab = len(self.tok.hf)
-        for t in ids:
-            if t < 0 or t >= vocab:
-                raise api.ApiError(400, f"Token id {t} is out of vocabulary")
+        if not ids:
+            return
+        vocab = self.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if t < 0 or t >= vocab)
+            raise api.ApiError(400, f"Token id {bad} is out of vocabulary")
 
     async def prompt_ids(self, p: api.GenParams) -> list[list[int]]:
         if p.chat:
@@ -801,6 +831,8 @@ class SimEngine:
     # ---- generation ---------------------------------------------------------------------
 
     async def _generate(self, req: Request, *, chat: bool) -> Response | StreamingResponse:
+        if self.dead:
+            raise api.ApiError(500, f"engine is dead: {self.dead}", "InternalServerError")
         try:
             obj = api.parse_json_object(req.body)
             api.check_model(obj, self.cfg.model)
