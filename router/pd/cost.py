@@ -55,8 +55,9 @@ class OptionCost:
 
 
 def running_requests(load: PodLoad) -> float:
-    """Requests decoding on a pod: the engine's count, or the router's own if higher."""
-    return max(load.engine_running, float(load.inflight - load.pending_requests))
+    """Requests that decode on a pod: the engine's count, or the router's own if higher
+    (every request in flight there decodes there, even while it waits for its KV)."""
+    return max(load.engine_running, float(load.inflight))
 
 
 def decode_step_ms(load: PodLoad, params: CostParams) -> float:

@@ -204,9 +204,18 @@ class PDService:
         m.added.labels(**m.labels).observe(time.perf_counter() - received)
         if not d.disaggregated:
             return await self._aggregated(routed, body, path, headers, request_id, d.reason, 0)
-        if self.pd.connector is PDConnector.NIXL:
-            return await self._nixl(routed, body, path, headers, request_id)
-        return await self._concurrent(routed, body, path, headers, request_id)
+        # The decode pod is booked while the prefill runs (its own leg starts later), so
+        # that requests arriving meanwhile see it busy and decode work spreads.
+        booked = self.pool.states.get(d.decode)
+        if booked is not None:
+            booked.inflight += 1
+        try:
+            if self.pd.connector is PDConnector.NIXL:
+                return await self._nixl(routed, body, path, headers, request_id)
+            return await self._concurrent(routed, body, path, headers, request_id)
+        finally:
+            if booked is not None:
+                booked.inflight -= 1
 
     def _count_leg(self, leg: str, outcome: str) -> None:
         m = self.metrics
