@@ -92,7 +92,8 @@ def test_pair_cost_adds_transfer_of_what_decode_lacks_and_one_decode_step() -> N
     assert full.decode_ms == pytest.approx(5.0 + 10 * 0.1)
     assert full.ttft_ms == pytest.approx(pre.ttft_ms + 21.0 + 6.0)
     assert full.balance_ms == pytest.approx(10 * 1.0 + 0.5 * 10.0)
-    assert full.score_ms == pytest.approx(full.ttft_ms + 15.0)
+    backlog = (P.recompute_weight - 1) * pre.recompute_ms
+    assert full.score_ms == pytest.approx(full.ttft_ms + 15.0 + backlog)
     # the decode pod already holds 1600 tokens: only 400 move
     part = pair_cost(pre, "d", busy, 1600, 2000, LinkClass.SAME_ZONE, link, P, PD, KV)
     assert part.transfer_tokens == 400 and part.transfer_ms < full.transfer_ms
@@ -104,10 +105,12 @@ def test_kv_pressure_on_the_decode_pod_delays_its_first_step() -> None:
 
 def test_aggregated_option_pays_for_stalling_running_decodes() -> None:
     terms = predict("d", 1000, hbm(0), PodLoad(engine_running=4), P, BS, KV, 1000.0)
-    agg = aggregated_cost(terms, PodLoad(engine_running=4), PD)
+    agg = aggregated_cost(terms, PodLoad(engine_running=4), P, PD)
     assert agg.prefill is None and agg.transfer_ms == 0 and agg.link is None
     assert agg.ttft_ms == pytest.approx(terms.ttft_ms)
     assert agg.interference_ms == pytest.approx(terms.recompute_ms * 4)
+    # recompute also delays what queues behind it, weighted as the aggregated policy does
+    assert agg.backlog_ms == pytest.approx((P.recompute_weight - 1) * terms.recompute_ms)
 
 
 # --- choice ---------------------------------------------------------------------------

@@ -89,7 +89,9 @@ def choose_pd(
             mean_request_tokens,
         )
 
-    aggregated = {d: aggregated_cost(terms(d, load), load, pd) for d, load in decode_loads.items()}
+    aggregated = {
+        d: aggregated_cost(terms(d, load), load, params, pd) for d, load in decode_loads.items()
+    }
     capped = over_cap(decode_loads, params) | over_cap(prefill_loads, params)
 
     def key(o: OptionCost) -> tuple[bool, float, int, str, str]:

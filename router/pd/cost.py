@@ -14,7 +14,10 @@ Both options are then scored for the choice, which adds what TTFT does not show:
 - interference (aggregated only): the prefill stalls every request decoding on
   that pod, so recompute ms x running requests x ``interference_weight``;
 - balance (both, per decode pod): decode is bandwidth- and latency-bound, so a
-  pod's running requests and KV usage are penalised and new work spreads.
+  pod's running requests and KV usage are penalised and new work spreads;
+- backlog (both): recomputed tokens also delay every request queued behind them on
+  the pod that prefills, weighted as the aggregated policy weighs them,
+  ``(recompute_weight - 1) x recompute ms``.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class OptionCost:
     decode_ms: float = 0.0
     interference_ms: float = 0.0
     balance_ms: float = 0.0
+    backlog_ms: float = 0.0
 
     @property
     def disaggregated(self) -> bool:
@@ -51,7 +55,7 @@ class OptionCost:
 
     @property
     def score_ms(self) -> float:
-        return self.ttft_ms + self.interference_ms + self.balance_ms
+        return self.ttft_ms + self.interference_ms + self.balance_ms + self.backlog_ms
 
 
 def running_requests(load: PodLoad) -> float:
@@ -71,6 +75,10 @@ def decode_step_ms(load: PodLoad, params: CostParams) -> float:
 
 def balance_ms(load: PodLoad, pd: PDSpec) -> float:
     return running_requests(load) * pd.decode_running_ms + load.kv_usage * pd.decode_kv_weight_ms
+
+
+def backlog_ms(terms: CostTerms, params: CostParams) -> float:
+    return (params.recompute_weight - 1.0) * terms.recompute_ms
 
 
 def pair_cost(
@@ -99,10 +107,13 @@ def pair_cost(
         transfer_ms=transfer_ms(tokens, kv_bytes_per_token, link),
         decode_ms=decode_step_ms(decode_load, params),
         balance_ms=balance_ms(decode_load, pd),
+        backlog_ms=backlog_ms(prefill_terms, params),
     )
 
 
-def aggregated_cost(decode_terms: CostTerms, decode_load: PodLoad, pd: PDSpec) -> OptionCost:
+def aggregated_cost(
+    decode_terms: CostTerms, decode_load: PodLoad, params: CostParams, pd: PDSpec
+) -> OptionCost:
     """The decode pod prefills the request itself."""
     interference = decode_terms.recompute_ms * running_requests(decode_load)
     return OptionCost(
@@ -111,4 +122,5 @@ def aggregated_cost(decode_terms: CostTerms, decode_load: PodLoad, pd: PDSpec) -
         prefill_terms=decode_terms,
         interference_ms=interference * pd.interference_weight,
         balance_ms=balance_ms(decode_load, pd),
+        backlog_ms=backlog_ms(decode_terms, params),
     )

@@ -616,6 +616,7 @@ class PDService:
                 "decode_ms": o.decode_ms,
                 "interference_ms": o.interference_ms,
                 "balance_ms": o.balance_ms,
+                "backlog_ms": o.backlog_ms,
             }
 
         return {
