@@ -99,10 +99,14 @@ def sticky_order(anchor: int, pods: Sequence[str]) -> list[str]:
     return sorted(pods, key=lambda p: xxhash.xxh3_64_intdigest(p.encode(), anchor), reverse=True)
 
 
-def sticky_anchor(keys: Sequence[int], tokens: Sequence[int], sticky_blocks: int) -> int:
-    """The key of the prompt's first ``sticky_blocks`` blocks (or of its tokens if shorter)."""
+def sticky_anchor(
+    keys: Sequence[int], tokens: Sequence[int], sticky_tokens: int, block_size: int
+) -> int:
+    """The key of the prompt's first ``sticky_tokens`` tokens (whole blocks; or of its tokens
+    if shorter). Counted in tokens, not blocks: a system prompt shared by every request
+    spans several small blocks, and an anchor inside it would send everything to one pod."""
     if keys:
-        return keys[min(sticky_blocks, len(keys)) - 1]
+        return keys[min(max(1, sticky_tokens // block_size), len(keys)) - 1]
     return xxhash.xxh3_64_intdigest(repr(list(tokens[:64])).encode())
 
 

@@ -110,7 +110,9 @@ class CostParams(_Strict):
     )
     load_cap_slack: Annotated[int, Field(ge=0)] = 4
     tentative_ttl_s: Annotated[float, Field(gt=0)] = 10.0
-    sticky_blocks: Annotated[int, Field(gt=0)] = 4
+    sticky_tokens: Annotated[int, Field(gt=0)] = Field(
+        default=2048, description="sticky hashing anchors on the key of this many leading tokens"
+    )
 
 
 class PDConnector(StrEnum):

@@ -168,12 +168,13 @@ class RoutingPipeline:
         policy = self.config.policy
         matches: PrefixMatches | None = None
         if policy is not Policy.COST:
-            anchor = sticky_anchor(keys, tokens, cost.sticky_blocks)
+            anchor = sticky_anchor(keys, tokens, cost.sticky_tokens, self.config.model.block_size)
             decision = choose_baseline(policy, pods, loads, anchor, self._rr)
         else:
             matches = await self.guard.lookup(keys, pods)
             if matches is None:
-                ranked = sticky_order(sticky_anchor(keys, tokens, cost.sticky_blocks), pods)
+                block = self.config.model.block_size
+                ranked = sticky_order(sticky_anchor(keys, tokens, cost.sticky_tokens, block), pods)
                 decision = Decision(ranked[0], Reason.INDEX_DOWN, ranked, {})
             else:
                 decision = choose_by_cost(

@@ -306,7 +306,7 @@ class _Sim:
                     decision.pod, keys[held:], self.cost.tentative_ttl_s
                 )
         else:
-            anchor = _sticky_anchor(keys, tokens, self.cost.sticky_blocks)
+            anchor = _sticky_anchor(keys, tokens, self.cost.sticky_tokens, self.block_size)
             decision = choose_baseline(self.policy, pods, loads, anchor, self.rr)
         self.pool.observe_prompt(len(tokens))
         terms = decision.terms.get(decision.pod)
