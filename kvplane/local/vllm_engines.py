@@ -313,7 +313,9 @@ def start_engines(
                 for name, la in list(pending.items()):
                     eng = la.engine
                     if not eng.alive():
-                        tail = eng.log_tail()
+                        # the whole log: a long traceback (NIXL, say) pushes the bind
+                        # error out of a short tail, and the retry would never fire
+                        tail = eng.log_tail(chars=1 << 20)
                         if "Address already in use" in tail and la.attempts < PORT_RETRIES:
                             _reap(eng)
                             again = launch(name)
