@@ -21,7 +21,7 @@ The timing model that uses them is :mod:`kvplane.sim.timing`:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 HBM_BYTES_PER_S: Final = 3.35e12  # H100 SXM HBM3
@@ -167,6 +167,13 @@ CPU_TINY: Final = EngineProfile(
     max_model_len=8192,
 )
 
+# The 8B pod with a CPU DRAM tier (a KVCacheTier of kind DRAM, vLLM's native
+# OffloadingConnector): 256 GiB of host memory per GPU (2 TiB on an 8-GPU HGX node)
+# = 2M tokens = 128,000 blocks of 16, loaded back over PCIe Gen5 (~50 GB/s).
+LLAMA_8B_H100_DRAM: Final = replace(
+    LLAMA_8B_H100, name="h100-llama-3.1-8b-dram", cpu_offload_blocks=128000
+)
+
 PROFILES: Final[dict[str, EngineProfile]] = {
-    p.name: p for p in (LLAMA_8B_H100, LLAMA_70B_TP4_H100, CPU_TINY)
+    p.name: p for p in (LLAMA_8B_H100, LLAMA_8B_H100_DRAM, LLAMA_70B_TP4_H100, CPU_TINY)
 }
