@@ -243,8 +243,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # Offered load per workload (x its native rate) that puts the best peer near
 # saturation on 8 H100-8B engines; calibrated with the discrete-event mode.
 DEFAULT_RATE_SCALE = {
-    "mooncake": 4.0,
-    "gsp": 1.0,
+    "mooncake": 2.5,
+    "gsp": 8.0,
     "multi-round-qa": 1.0,
     "long-doc-qa": 1.0,
     "no-reuse": 1.0,
@@ -323,6 +323,9 @@ def _run_des(
     from kvplane.sim.des import ROUTERS, DesOptions, run_des
 
     ours = [r for r in routers if r in ROUTERS] or list(ROUTERS)
+    sweepers = [r for r in _csv(args.sweep_routers) if r in ROUTERS] or [
+        r for r in ours if r != "kvplane-sticky"
+    ]
     runs: list[dict[str, Any]] = []
     ttfts: dict[str, dict[str, list[float]]] = {}
     for wname in _csv(args.workloads):
@@ -335,7 +338,7 @@ def _run_des(
                 rate_scale=_rate(args, wname) * factor,
             )
             opts = DesOptions(oracle=oracle_hit_ratio(wl, args.block_size))
-            for router in ours:
+            for router in ours if factor == 1.0 else sweepers:
                 bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
                 rec, results = run_des(
                     wl,
