@@ -2,24 +2,34 @@
 pass-through after it, and the in-flight accounting the cost model reads.
 
 A backend that fails before sending a response (connection refused or reset,
-5xx) is retried on the next pod of the decision's ranking. Once bytes have
-reached the client nothing can be retried: a stream that breaks ends with an
-SSE error event and ``[DONE]``, never a hang (reads have a timeout).
+read timeout, 5xx) is retried on the next pod of the decision's ranking. Once
+bytes have reached the client nothing can be retried: a stream that breaks ends
+with an SSE error event and ``[DONE]``, never a hang (reads have a timeout).
+
+The response is written straight to the ASGI ``send`` callable: no response
+object or async generator per request (see forwarder.py for the client side).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
-import httpx
 from kvplane.router.errors import APIError, sse_error
+from kvplane.router.forwarder import (
+    BackendUnavailable,
+    Forwarder,
+    ResponseBroken,
+    UpstreamResponse,
+)
 from kvplane.router.pool import BackendState, Pool
 from kvplane.router.telemetry import RouterMetrics
-from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Send
 
 log = logging.getLogger("kvplane.router.proxy")
 
@@ -36,7 +46,7 @@ _HOP = {
     "proxy-connection",
     "accept-encoding",
 }
-_PASS_BACK = {"content-type", "x-request-id"}
+_PASS_BACK = (b"content-type", b"x-request-id")
 
 
 @dataclass
@@ -69,6 +79,7 @@ class Attempt:
 
 
 def forward_headers(headers: Mapping[str, str], request_id: str) -> dict[str, str]:
+    """Request headers for an httpx leg (the P/D path): hop-by-hop ones dropped."""
     out = {k: v for k, v in headers.items() if k.lower() not in _HOP}
     out["x-request-id"] = request_id
     return out
@@ -93,28 +104,47 @@ def reported_cached_tokens(payload: bytes) -> int | None:
     return None
 
 
+def _response_head(resp: UpstreamResponse, extra: Mapping[str, str]) -> dict[bytes, bytes]:
+    out = {name: value for name, value in resp.headers if name in _PASS_BACK}
+    for k, v in extra.items():
+        out[k.encode("latin-1")] = v.encode("latin-1")
+    return out
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    """Returns when the client has gone (the request body is already read)."""
+    while True:  # after the body, servers send nothing but the disconnect
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
 class Proxy:
     def __init__(
-        self, client: httpx.AsyncClient, pool: Pool, metrics: RouterMetrics, max_attempts: int
+        self, forwarder: Forwarder, pool: Pool, metrics: RouterMetrics, max_attempts: int
     ) -> None:
-        self._client = client
+        self._fwd = forwarder
         self._pool = pool
         self._m = metrics
         self._max_attempts = max_attempts
+        self._ttft: dict[str, Any] = {}  # per-pod histogram children: labels() costs
 
     async def send(
         self,
-        path: str,
+        path: bytes,
         body: bytes,
-        headers: dict[str, str],
+        header_lines: bytes,
         ranked: list[str],
         uncached_tokens: Mapping[str, int],
         stream: bool,
         response_headers: Callable[[str, int], dict[str, str]],
         on_reported: Callable[[int], None],
-    ) -> Response:
-        """Try pods in ``ranked`` order; the response carries ``response_headers(pod, n)``."""
-        labels = self._m.labels
+        receive: Receive,
+        send: Send,
+    ) -> int:
+        """Try pods in ``ranked`` order and write the answer to ``send`` with
+        ``response_headers(pod, attempts)`` added; returns its status. Raises
+        APIError (nothing sent) when every attempt failed before a response."""
         last_error = "no backend attempted"
         tried = 0
         for pod in ranked:
@@ -125,71 +155,98 @@ class Proxy:
                 break
             tried += 1
             if tried > 1:
-                self._m.retries.labels(**labels, pod=pod).inc()
+                self._m.retries.labels(**self._m.labels, pod=pod).inc()
             attempt = Attempt(state, uncached_tokens.get(pod, 0), time.perf_counter())
             attempt.begin()
-            url = state.backend.url.rstrip("/") + path
             try:
-                req = self._client.build_request("POST", url, content=body, headers=headers)
-                resp = await self._client.send(req, stream=True)
-            except httpx.TransportError as exc:
+                resp = await self._fwd.post(state.backend.url, path, header_lines, body)
+            except BackendUnavailable as exc:
                 attempt.end()
                 self._pool.mark_unhealthy(pod)
-                last_error = f"{pod}: {type(exc).__name__}: {exc}"
+                last_error = f"{pod}: {exc}"
                 log.warning("backend %s failed before the first byte: %s", pod, exc)
                 continue
-            if resp.status_code >= 500:
-                try:
-                    detail = (await resp.aread())[:300].decode(errors="replace")
-                except httpx.HTTPError:
-                    detail = ""
-                await resp.aclose()
+            except BaseException:
                 attempt.end()
-                last_error = f"{pod}: HTTP {resp.status_code} {detail}".strip()
-                log.warning("backend %s answered %s; trying another pod", pod, resp.status_code)
+                raise
+            if resp.status >= 500:
+                try:
+                    detail = (await resp.read())[:300].decode(errors="replace")
+                except ResponseBroken:
+                    detail = ""
+                finally:
+                    resp.release()
+                    attempt.end()
+                last_error = f"{pod}: HTTP {resp.status} {detail}".strip()
+                log.warning("backend %s answered %s; trying another pod", pod, resp.status)
                 continue
-            ttft = time.perf_counter() - attempt.started
-            self._m.backend_ttft.labels(**labels, pod=pod).observe(ttft)
-            extra = response_headers(pod, tried)
-            passed = {k: v for k, v in resp.headers.items() if k.lower() in _PASS_BACK}
-            if stream and resp.status_code == 200:
-                return StreamingResponse(
-                    self._relay(resp, attempt, pod, on_reported),
-                    status_code=resp.status_code,
-                    headers={**passed, **extra},
-                )
+            self._observe_ttft(pod, time.perf_counter() - attempt.started)
+            head = _response_head(resp, response_headers(pod, tried))
+            status = resp.status
+            if stream and status == 200:
+                await self._relay(resp, attempt, pod, on_reported, head, receive, send)
+                return status
             try:
-                content = await resp.aread()
-            except httpx.HTTPError as exc:
+                content = await resp.read()
+            except ResponseBroken as exc:
                 last_error = f"{pod}: response broke: {exc}"
                 continue
             finally:
-                await resp.aclose()
+                resp.release()
                 attempt.end()
             cached = reported_cached_tokens(content)
             if cached is not None:
                 on_reported(cached)
-            return Response(content, status_code=resp.status_code, headers={**passed, **extra})
+            head[b"content-length"] = b"%d" % len(content)
+            await send({"type": "http.response.start", "status": status, "headers": head.items()})
+            await send({"type": "http.response.body", "body": content})
+            return status
         raise APIError(502, f"every backend attempt failed ({tried} tried); last: {last_error}")
+
+    def close(self) -> None:
+        self._fwd.close()
+
+    def _observe_ttft(self, pod: str, seconds: float) -> None:
+        child = self._ttft.get(pod)
+        if child is None:
+            child = self._ttft[pod] = self._m.backend_ttft.labels(**self._m.labels, pod=pod)
+        child.observe(seconds)
 
     async def _relay(
         self,
-        resp: httpx.Response,
+        resp: UpstreamResponse,
         attempt: Attempt,
         pod: str,
         on_reported: Callable[[int], None],
-    ) -> AsyncIterator[bytes]:
+        head: dict[bytes, bytes],
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        """Streams the body piece by piece; a client that leaves drops the backend
+        connection, so the engine stops generating for nobody."""
+        gone = asyncio.ensure_future(_until_disconnect(receive))
+        gone.add_done_callback(lambda f: None if f.cancelled() else resp.abort())
         try:
-            async for chunk in resp.aiter_raw():
+            await send({"type": "http.response.start", "status": 200, "headers": head.items()})
+            while True:
+                try:
+                    chunk = await resp.next_chunk()
+                except ResponseBroken as exc:
+                    if not gone.done():
+                        log.warning("stream from %s broke: %s", pod, exc)
+                    msg = sse_error(f"backend {pod} stream broke: {exc}")
+                    await send({"type": "http.response.body", "body": msg, "more_body": True})
+                    break
+                if chunk is None:
+                    break
                 attempt.first()
                 if b"cached_tokens" in chunk:
                     cached = reported_cached_tokens(chunk)
                     if cached is not None:
                         on_reported(cached)
-                yield chunk
-        except httpx.HTTPError as exc:
-            log.warning("stream from %s broke: %s", pod, exc)
-            yield sse_error(f"backend {pod} stream broke: {type(exc).__name__}")
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            gone.cancel()
             attempt.end()
-            await resp.aclose()
+            resp.release()
