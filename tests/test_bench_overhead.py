@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvplane.bench import overhead
+from kvplane.bench import overhead, procs
 from kvplane.bench.overhead import PromptFactory, count_tokens, load_counter
 
 pytestmark = pytest.mark.timeout(120)
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def tokenizer_dir() -> Path:
-    return overhead.default_tokenizer_dir()
+    return procs.default_tokenizer_dir()
 
 
 @pytest.fixture(scope="module")
@@ -36,12 +36,12 @@ def counter(tokenizer_dir: Path) -> object:
 
 @pytest.fixture(scope="module")
 def noop(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    port, zport = overhead.free_port(), overhead.free_port()
+    port, zport = procs.free_port(), procs.free_port()
     argv = [sys.executable, "-m", "kvplane.bench.noop_backend", "--port", str(port)]
     argv += ["--kv-events-port", str(zport), "--tokenizer", str(tokenizer_dir)]
-    proc = overhead._spawn("noop", argv, tmp_path_factory.mktemp("noop"))
+    proc = procs.spawn("noop", argv, tmp_path_factory.mktemp("noop"))
     try:
-        assert overhead._wait_ready(proc, port, 30, None), proc.tail()
+        assert procs.wait_ready(proc, port, 30, None), proc.tail()
         yield port
     finally:
         proc.stop()
@@ -148,7 +148,7 @@ def test_markdown_section_is_replaced_and_others_kept(tmp_path: Path) -> None:
 
 
 def _vllm_router() -> str | None:
-    cmd = overhead._venv_bin("vllm-router")
+    cmd = procs.venv_bin("vllm-router")
     return cmd if shutil.which(cmd) else None
 
 
@@ -194,7 +194,111 @@ def test_tiny_run_writes_the_result_schema(tmp_path: Path) -> None:
 
 
 def test_spawned_processes_are_stopped(tmp_path: Path) -> None:
-    proc = overhead._spawn("sleep", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path)
+    proc = procs.spawn("sleep", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path)
     assert proc.alive()
     proc.stop(timeout=5)
     assert not proc.alive()
+
+
+def test_kvplane_worker_variants_get_their_own_process_count_and_index(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    overhead.add_arguments(parser)
+    assert parser.parse_args(["--kvplane-workers=1,2"]).kvplane_workers == [1, 2]
+    for bad in ("0", "2,2", "a"):
+        with pytest.raises(SystemExit):
+            parser.parse_args([f"--kvplane-workers={bad}"])
+    specs = overhead.router_specs(
+        ["kvplane", "vllm-router-round_robin"],
+        [1001, 1002],
+        tmp_path,
+        tmp_path,
+        "kvplane",
+        "vllm-router",
+        [1, 2, 4],
+        None,
+        "redis://127.0.0.1:6400",
+    )
+    assert [s.name for s in specs] == [
+        "kvplane",
+        "kvplane-w2",
+        "kvplane-w4",
+        "vllm-router-round_robin",
+    ]
+    one, two = specs[:2]
+    assert "--workers" not in one.argv
+    assert two.argv[two.argv.index("--workers") + 1] == "2"
+    assert "backend: memory" in (tmp_path / "kvplane-router.yaml").read_text()
+    # one Redis database per variant: their tentative marks do not meet
+    assert "url: redis://127.0.0.1:6400/1" in (tmp_path / "kvplane-w2-router.yaml").read_text()
+    assert "url: redis://127.0.0.1:6400/2" in (tmp_path / "kvplane-w4-router.yaml").read_text()
+    with pytest.raises(SystemExit):
+        overhead.router_specs(["kvplane"], [1], tmp_path, tmp_path, "k", "v", [2], None)
+
+
+def test_targets_are_checked_per_kvplane_variant() -> None:
+    def row(router: str, regime: str, p50: float, rps: float) -> dict[str, object]:
+        return {
+            "router": router,
+            "regime": regime,
+            "prompt_tokens": 8192,
+            "added_p50_ms": p50,
+            "added_p99_ms": 2 * p50,
+            "max_rps": rps,
+            "tokenize_p50_ms": 30.0,
+        }
+
+    runs = [
+        row("kvplane", "fresh", 30.0, 25.0),
+        row("kvplane-w2", "fresh", 31.0, 45.0),
+        row("vllm-router-kv_aware", "fresh", 35.0, 39.0),
+        row("kvplane", "shared", 1.5, 300.0),
+        row("kvplane-w2", "shared", 3.0, 250.0),
+        row("vllm-router-kv_aware", "shared", 35.0, 39.0),
+    ]
+    status = {t["target"]: t["status"] for t in overhead.check_targets(runs)}
+    assert status["fresh 8K: max req/s >= vllm-router kv_aware"] == "FAIL"
+    assert status["fresh 8K: max req/s >= vllm-router kv_aware [kvplane-w2]"] == "PASS"
+    assert status["shared 8K: added p50 <= 2 ms"] == "PASS"
+    assert status["shared 8K: added p50 <= 2 ms [kvplane-w2]"] == "FAIL"
+    assert len(status) == 10
+
+
+@pytest.mark.timeout(240)
+def test_tiny_run_with_kvplane_workers_on_redis(tmp_path: Path) -> None:
+    """kvplane as one process and as two worker processes on a Redis index the
+    benchmark starts; both answer every request, and nothing is written."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server not installed")
+    parser = argparse.ArgumentParser()
+    overhead.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--sizes=1k",
+            "--regimes=shared",
+            "--routers=kvplane",
+            "--kvplane-workers=1,2",
+            "--requests=4",
+            "--warmup=1",
+            "--sessions=1",
+            "--rps-step-s=0.3",
+            "--rps-max-steps=1",
+            f"--results-dir={tmp_path}",
+            f"--results-md={tmp_path / 'RESULTS.md'}",
+            "--no-write",
+        ]
+    )
+    doc = overhead.run(args)
+    assert [r["router"] for r in doc["runs"]] == ["kvplane", "kvplane-w2"]
+    for r in doc["runs"]:
+        assert r["errors"] == 0 and r["pairs"] == 4 and r["max_rps"] is not None
+    assert "--workers 2" in doc["commands"]["kvplane-w2"]
+    assert "backend: redis" in doc["kvplane_configs"]["kvplane-w2"]
+    assert doc["redis"].split()[0].endswith("redis-server")
+    assert "`kvplane-w2`: 2 uvicorn worker processes, Redis index" in overhead.render_markdown(
+        {**doc, "date": "d", "command": "c", "machine": _machine()}
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def _machine() -> dict[str, object]:
+    return {"nproc": 2, "cpu_model": "x", "loadavg_start": [0, 0, 0], "loadavg_end": [0, 0, 0]}

@@ -5,6 +5,11 @@ kvplane and the PyPI ``vllm-router`` with its ``round_robin``, ``cache_aware`` a
 ``kv_aware`` policies, for prompts of 1K/8K/32K tokens in two regimes (``fresh``:
 every prompt new; ``shared``: ~95% of each prompt repeats an earlier one).
 
+kvplane runs as one process with its in-memory index (``kvplane``) and, for each
+``--kvplane-workers`` count N > 1, as N uvicorn worker processes sharing a Redis
+index on a ``redis-server`` the benchmark starts (``kvplane-wN``), as a deployment
+that scales the router over cores would run it.
+
 Method (why it is built this way):
 
 * Added latency is paired: each prompt goes once through the router and once
@@ -391,6 +396,11 @@ class RouterSpec:
     stop_signal: int = signal.SIGTERM
 
 
+def kvplane_variant(workers: int) -> str:
+    """The row name of kvplane with ``workers`` processes."""
+    return "kvplane" if workers <= 1 else f"kvplane-w{workers}"
+
+
 def router_specs(
     names: Sequence[str],
     backend_ports: Sequence[int],
@@ -398,28 +408,29 @@ def router_specs(
     rundir: Path,
     kvplane_cmd: str,
     vllm_router_cmd: str,
-    kvplane_workers: int,
+    kvplane_workers: Sequence[int],
     kvplane_profile: Path | None,
+    redis_url: str | None = None,
 ) -> list[RouterSpec]:
-    """The exact command line of every router under test."""
+    """The exact command line of every router under test.
+
+    ``kvplane`` expands to one spec per count in ``kvplane_workers``: one process
+    with the in-memory index, or N worker processes on the Redis index at
+    ``redis_url`` (one database per variant, so that their marks stay apart).
+    """
     specs: list[RouterSpec] = []
     workers = [f"http://{HOST}:{p}" for p in backend_ports]
     for name in names:
-        port = free_port()
         if name == "kvplane":
-            cfg = rundir / "kvplane-router.yaml"
-            cfg.write_text(_kvplane_config(tokenizer_dir, backend_ports))
-            tail = ["router", "--config", str(cfg), "--host", HOST, "--port", str(port)]
-            if kvplane_workers > 1:
-                tail += ["--workers", str(kvplane_workers)]
-            if kvplane_profile is not None:
-                argv = [sys.executable, "-m", "cProfile", "-o", str(kvplane_profile)]
-                argv += ["-m", "kvplane.cli", "--log-level", "warning", *tail]
-            else:
-                argv = [kvplane_cmd, "--log-level", "warning", *tail]
-            sig = signal.SIGINT if kvplane_profile is not None else signal.SIGTERM
-            specs.append(RouterSpec(name, port, argv, stop_signal=sig))
+            for db, n in enumerate(kvplane_workers):
+                url = f"{redis_url}/{db}" if n > 1 and redis_url else None
+                specs.append(
+                    _kvplane_spec(
+                        n, backend_ports, tokenizer_dir, rundir, kvplane_cmd, kvplane_profile, url
+                    )
+                )
         elif name.startswith("vllm-router-"):
+            port = free_port()
             policy = name.removeprefix("vllm-router-")
             argv = [vllm_router_cmd, "--host", HOST, "--port", str(port), "--worker-urls"]
             argv += workers
@@ -431,15 +442,71 @@ def router_specs(
     return specs
 
 
-def _kvplane_config(tokenizer_dir: Path, backend_ports: Sequence[int]) -> str:
+def _kvplane_spec(
+    workers: int,
+    backend_ports: Sequence[int],
+    tokenizer_dir: Path,
+    rundir: Path,
+    kvplane_cmd: str,
+    profile: Path | None,
+    redis_url: str | None,
+) -> RouterSpec:
+    name = kvplane_variant(workers)
+    port = free_port()
+    if workers > 1 and redis_url is None:
+        raise SystemExit("bench overhead: kvplane with several workers needs the Redis index")
+    cfg = rundir / f"{name}-router.yaml"
+    index_url = redis_url if workers > 1 else None
+    cfg.write_text(_kvplane_config(tokenizer_dir, backend_ports, index_url))
+    tail = ["router", "--config", str(cfg), "--host", HOST, "--port", str(port)]
+    if workers > 1:
+        tail += ["--workers", str(workers)]
+        profile = None  # cProfile sees the supervisor only, not the worker processes
+    if profile is not None:
+        argv = [sys.executable, "-m", "cProfile", "-o", str(profile)]
+        argv += ["-m", "kvplane.cli", "--log-level", "warning", *tail]
+    else:
+        argv = [kvplane_cmd, "--log-level", "warning", *tail]
+    sig = signal.SIGINT if profile is not None else signal.SIGTERM
+    return RouterSpec(name, port, argv, stop_signal=sig)
+
+
+def _kvplane_config(
+    tokenizer_dir: Path, backend_ports: Sequence[int], redis_url: str | None = None
+) -> str:
     backends = "\n".join(
         f"  - name: noop-{i}\n    url: http://{HOST}:{p}" for i, p in enumerate(backend_ports)
     )
+    index = f"  backend: redis\n  url: {redis_url}\n" if redis_url else "  backend: memory\n"
     return (
         f"model:\n  name: {MODEL}\n  tokenizer: {tokenizer_dir}\n  block_size: 16\n"
         f"  max_model_len: 131072\nbackends:\n{backends}\npolicy: cost\n"
-        f"index:\n  backend: memory\n"
+        f"index:\n{index}"
     )
+
+
+def start_redis(rundir: Path, procs: list[Proc]) -> str:
+    """A throwaway ``redis-server`` on a free loopback port (no persistence); its URL."""
+    import shutil
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise SystemExit("bench overhead: kvplane workers need redis-server (apt install)")
+    port = free_port()
+    workdir = rundir / "redis"
+    workdir.mkdir(exist_ok=True)
+    argv = [exe, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"]
+    argv += ["--dir", str(workdir), "--databases", "16"]
+    proc = _spawn("redis", argv, rundir)
+    procs.append(proc)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and proc.alive():
+        with contextlib.suppress(OSError), socket.create_connection((HOST, port), 0.5) as s:
+            s.sendall(b"PING\r\n")
+            if s.recv(16).startswith(b"+PONG"):
+                return f"redis://{HOST}:{port}"
+        time.sleep(0.05)
+    raise SystemExit(f"bench overhead: redis-server did not start:\n{proc.tail()}")
 
 
 # --------------------------------------------------------------------------- measurement
@@ -699,6 +766,16 @@ def _csv(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
 
+def _worker_counts(text: str) -> list[int]:
+    try:
+        counts = [int(p) for p in _csv(text)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if not counts or any(n < 1 for n in counts) or len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"worker counts must be distinct and >= 1: {text!r}")
+    return counts
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``kvplane bench overhead`` (also ``python -m kvplane.bench.overhead``)."""
     g = parser.add_argument_group("overhead benchmark")
@@ -720,8 +797,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--results-dir", default=None, help="default: <repo>/bench/results")
     g.add_argument("--results-md", default=None, help="default: <repo>/bench/RESULTS.md")
     g.add_argument("--no-markdown", action="store_true", help="do not touch RESULTS.md")
+    g.add_argument(
+        "--no-write", action="store_true", help="write no files (neither JSON nor RESULTS.md)"
+    )
     g.add_argument("--kvplane-cmd", default=None, help="the kvplane executable")
-    g.add_argument("--kvplane-workers", type=int, default=1, help="kvplane router --workers")
+    g.add_argument(
+        "--kvplane-workers",
+        type=_worker_counts,
+        default=[1],
+        help="comma list of kvplane process counts, e.g. 1,2: one row each (N > 1: "
+        "`kvplane router --workers N` on a Redis index the benchmark starts)",
+    )
     g.add_argument(
         "--kvplane-profile", default=None, help="run kvplane under cProfile, write stats here"
     )
@@ -794,6 +880,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }  # fmt: skip
     doc["targets"] = check_targets(doc["runs"])
     doc = _clean(doc)
+    if args.no_write:  # a trial run: the table only
+        print(format_table(doc))
+        return doc
     results_dir.mkdir(parents=True, exist_ok=True)
     out = results_dir / f"overhead-{doc['date']}.json"
     tmp = out.with_suffix(".json.tmp")
@@ -849,6 +938,9 @@ def _run_inner(
     kvplane_cmd = args.kvplane_cmd or _venv_bin("kvplane")
     vllm_cmd = args.vllm_router_cmd or _venv_bin("vllm-router")
     profile = Path(args.kvplane_profile).resolve() if args.kvplane_profile else None
+    redis_url: str | None = None
+    if "kvplane" in names and any(n > 1 for n in args.kvplane_workers):
+        redis_url = start_redis(rundir, procs)
     specs = router_specs(
         names,
         backend_ports,
@@ -858,6 +950,7 @@ def _run_inner(
         vllm_cmd,
         args.kvplane_workers,
         profile,
+        redis_url,
     )
     probe = _body(factory.fresh(64))
     started: list[tuple[RouterSpec, Proc]] = []
@@ -882,6 +975,13 @@ def _run_inner(
     doc = _run_loop(_measure(args, factory, sizes, regimes, live, backend_ports, tokenizer_dir))
     doc["skipped"] = skipped
     doc["commands"] = {s.name: " ".join(shlex.quote(a) for a in s.argv) for s, _ in live}
+    doc["kvplane_configs"] = {
+        s.name: (rundir / f"{s.name}-router.yaml").read_text()
+        for s, _ in live
+        if s.name.startswith("kvplane")
+    }
+    if redis_url is not None:
+        doc["redis"] = next(" ".join(p.argv) for p in procs if p.name == "redis")
     doc["backends"] = {
         "processes": [" ".join(shlex.quote(a) for a in p.argv) for p in procs[:2]],
         "note": "one no-op process per backend; render/tokenize on, a silent ZMQ PUB each",
@@ -1001,18 +1101,33 @@ def _find(runs: Sequence[dict[str, Any]], router: str, regime: str, tokens: int)
     return None
 
 
+def kvplane_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """The kvplane variants in a run, ``kvplane`` (one process) first."""
+    names = {r["router"] for r in runs if r["router"].startswith("kvplane")}
+    return sorted(names, key=lambda n: (n != "kvplane", len(n), n))
+
+
 def check_targets(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's acceptance targets, at 8K tokens, as PASS/FAIL with the ratio behind each."""
+    """The issue's acceptance targets, at 8K tokens, as PASS/FAIL with the ratio behind
+    each, for every kvplane variant (named in brackets unless it is plain ``kvplane``)."""
     out: list[dict[str, Any]] = []
+    for variant in kvplane_rows(runs) or ["kvplane"]:
+        out += _targets_of(runs, variant)
+    return out
+
+
+def _targets_of(runs: Sequence[dict[str, Any]], variant: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    tag = "" if variant == "kvplane" else f" [{variant}]"
 
     def add(name: str, value: float | None, limit: float | None, ratio_of: str) -> None:
         if value is None or limit is None or not limit:
-            out.append({"target": name, "status": "n/a"})
+            out.append({"target": name + tag, "status": "n/a"})
             return
         ratio = value / limit
         out.append(
             {
-                "target": name,
+                "target": name + tag,
                 "value": round(value, 3),
                 "limit": round(limit, 3),
                 "ratio": round(ratio, 3),
@@ -1022,25 +1137,25 @@ def check_targets(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         )
 
     t = TARGET_TOKENS
-    fresh = _find(runs, "kvplane", "fresh", t)
+    fresh = _find(runs, variant, "fresh", t)
     add(
         "fresh 8K: added p50 <= 1.25 x tokenize p50",
         fresh and fresh["added_p50_ms"],
         fresh and fresh["tokenize_p50_ms"] and 1.25 * fresh["tokenize_p50_ms"],
         "added p50 / (1.25 x tokenize p50)",
     )
-    shared = _find(runs, "kvplane", "shared", t)
+    shared = _find(runs, variant, "shared", t)
     add("shared 8K: added p50 <= 2 ms", shared and shared["added_p50_ms"], 2.0, "p50 / 2 ms")
     add("shared 8K: added p99 <= 10 ms", shared and shared["added_p99_ms"], 10.0, "p99 / 10 ms")
     for regime in REGIMES:
-        mine = _find(runs, "kvplane", regime, t)
+        mine = _find(runs, variant, regime, t)
         theirs = _find(runs, "vllm-router-kv_aware", regime, t)
         name = f"{regime} 8K: max req/s >= vllm-router kv_aware"
         if mine and theirs and mine["max_rps"] is not None and theirs["max_rps"] is not None:
             # inverted so that <= 1 passes, like the others
             add(name, theirs["max_rps"], mine["max_rps"] or 1e-9, "kv_aware / kvplane req/s")
         else:
-            out.append({"target": name, "status": "n/a"})
+            out.append({"target": name + tag, "status": "n/a"})
     return out
 
 
@@ -1129,10 +1244,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
     for t in doc.get("targets", []):
         extra = f" — ratio {t['ratio']} ({t['ratio_of']})" if "ratio" in t else ""
         lines.append(f"- **{t['status']}** {t['target']}{extra}")
+    lines += ["", _kvplane_note(doc)]
     lines += [
         "",
         "vllm-router command lines (policy defaults otherwise): "
-        + "; ".join(f"`{v}`" for k, v in doc.get("commands", {}).items() if k != "kvplane")
+        + "; ".join(
+            f"`{v}`" for k, v in doc.get("commands", {}).items() if not k.startswith("kvplane")
+        )
         + ". `kv_aware` discovers each worker through `GET /get_server_info` and "
         "`GET /kv_event_sources`; it and `cache_aware` tokenize every request by "
         "`POST /v1/completions/render` on every worker (then `/tokenize`; with neither they "
@@ -1142,6 +1260,42 @@ def render_markdown(doc: dict[str, Any]) -> str:
     if doc.get("skipped"):
         lines += ["", "Skipped: " + "; ".join(f"{k}: {v}" for k, v in doc["skipped"].items())]
     return "\n".join(lines) + "\n"
+
+
+def _kvplane_note(doc: dict[str, Any]) -> str:
+    """How each kvplane row ran: processes and index."""
+    parts = []
+    for name in kvplane_rows(doc.get("runs", [])):
+        cmd = doc.get("commands", {}).get(name)
+        if cmd is None:
+            continue
+        if name == "kvplane":
+            what = "one process, in-memory index"
+        else:
+            what = f"{name.removeprefix('kvplane-w')} uvicorn worker processes, Redis index"
+        parts.append(f"`{name}`: {what} (`{_short_cmd(cmd)}`)")
+    note = "kvplane rows: " + "; ".join(parts) + "." if parts else ""
+    if doc.get("redis"):
+        note += (
+            " The Redis index is a local `redis-server` the benchmark starts (no persistence, "
+            "one database per variant), as a deployment running several router processes "
+            "would share one; lookups and tentative marks go to it."
+        )
+    return note
+
+
+def _short_cmd(cmd: str) -> str:
+    """A command line without the run's temporary paths and ports."""
+    words = shlex.split(cmd)
+    out: list[str] = []
+    for i, w in enumerate(words):
+        if i > 0 and words[i - 1] in ("--config", "--port", "--host"):
+            out.append("...")
+        elif i == 0 or w.startswith("/"):
+            out.append(Path(w).name)
+        else:
+            out.append(w)
+    return " ".join(out)
 
 
 def _run_loop(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
