@@ -117,6 +117,7 @@ async def _follow_discovery(router: Router, discovery: Discovery) -> None:
 
 async def _apply_backends(router: Router, backends: list[Backend]) -> None:
     _, removed = router.pool.set_backends(backends)
+    router.proxy.retain(s.backend.url for s in router.pool.states.values())
     if router.indexer is not None:
         await router.indexer.set_backends(backends)
     for name in removed:

@@ -449,6 +449,12 @@ class Forwarder:
             self._slots.release()
             raise
 
+    def retain(self, urls: Iterable[str]) -> None:
+        """Drops the pools of backends not in ``urls`` (pods that went away)."""
+        keep = set(urls)
+        for url in [u for u in self._origins if u not in keep]:
+            self._origins.pop(url).close()
+
     def close(self) -> None:
         for origin in self._origins.values():
             origin.close()

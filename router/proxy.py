@@ -16,7 +16,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,6 +205,10 @@ class Proxy:
 
     def close(self) -> None:
         self._fwd.close()
+
+    def retain(self, urls: Iterable[str]) -> None:
+        """Forget connection pools of backends that left the pool."""
+        self._fwd.retain(urls)
 
     def _observe_ttft(self, pod: str, seconds: float) -> None:
         child = self._ttft.get(pod)

@@ -155,6 +155,32 @@ def test_request_on_the_wire_and_keep_alive_reuse(run: Runner) -> None:
     run(main())
 
 
+def test_pools_of_departed_backends_are_dropped(run: Runner) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, n: int) -> None:
+        for _ in range(10):
+            await srv.read_request(r)
+            w.write(ok(b"%d" % n))
+            await w.drain()
+
+    srv = Server(handler)
+
+    async def main() -> None:
+        fwd = Forwarder(2, 5)
+        async with srv:
+            for expected in (b"0", b"0", None, b"1"):
+                if expected is None:
+                    fwd.retain([srv.url])  # still there: its idle connection stays
+                    fwd.retain(["http://127.0.0.1:1"])  # gone: closed
+                    continue
+                resp = await fwd.post(srv.url, b"/x", b"", b"{}")
+                assert await resp.read() == expected
+                resp.release()
+        fwd.close()
+        assert srv.connections == 2
+
+    run(main())
+
+
 def test_stream_pieces_are_handed_over_as_they_arrive(run: Runner) -> None:
     """The server sends piece k+1 only after the client has piece k: nothing waits
     for the end of the response."""
