@@ -79,6 +79,16 @@ def choose_by_cost(
         return (t.ttft_ms + (w - 1.0) * t.recompute_ms, loads[p].inflight, p)
 
     ranked = sorted(eligible, key=rank_key) + sorted(set(pods) - set(eligible), key=rank_key)
+    # Near-ties go to the pod sent the least prefill work lately: queues that look equal now
+    # say little about the requests that will follow this prompt's prefix.
+    top = rank_key(ranked[0])[0]
+    band = [
+        p for p in ranked if p in eligible and rank_key(p)[0] <= top * (1 + params.balance_band)
+    ]
+    if len(band) > 1:
+        pick = min(band, key=lambda p: (loads[p].recent_prefill_tokens, rank_key(p)))
+        ranked.remove(pick)
+        ranked.insert(0, pick)
     best = ranked[0]
     most_cached = max(pods, key=lambda p: (terms[p].cached_tokens, -terms[p].ttft_ms))
     top_cached = terms[most_cached].cached_tokens

@@ -103,6 +103,13 @@ class CostParams(_Strict):
         "recomputes also delays the requests queued behind it, so under load a pod that "
         "holds the prefix is worth a longer queue than one predicted TTFT shows",
     )
+    balance_band: Annotated[float, Field(ge=0)] = Field(
+        default=0.05,
+        description="pods ranked within this fraction of the best score count as equally "
+        "good; among them the one sent the least prefill work lately wins, so new prefixes "
+        "land where little work has gone and long-run load stays even while queues are "
+        "momentarily equal",
+    )
     load_cap: Annotated[float, Field(ge=1)] = Field(
         default=2.0,
         description="a pod with more than load_cap x the mean in-flight requests (+ slack) is "

@@ -36,6 +36,7 @@ class PodLoad:
     engine_waiting: float = 0.0  # vllm:num_requests_waiting (scraped)
     engine_running: float = 0.0  # vllm:num_requests_running (scraped)
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (scraped)
+    recent_prefill_tokens: float = 0.0  # router-sent uncached tokens, decayed (half-life)
 
 
 @dataclass(frozen=True, slots=True)

@@ -186,4 +186,6 @@ class RoutingPipeline:
                     self.config.model.kv_bytes_per_token,
                     self.pool.mean_request_tokens,
                 )
+        terms = decision.terms.get(decision.pod)
+        self.pool.note_routed(decision.pod, len(tokens) - (terms.cached_tokens if terms else 0))
         return Routed(tokens, keys, decision, matches)

@@ -31,9 +31,23 @@ class BackendState:
     pending_requests: int = 0
     inflight: int = 0
     unhealthy_since: float | None = None
+    recent_tokens: float = 0.0  # uncached prompt tokens routed here, decayed
+    recent_at: float = 0.0
+    half_life_s: float = 30.0  # "lately": a few prefix lifetimes on a busy pod
 
-    def load(self) -> PodLoad:
+    def recent(self, now: float) -> float:
+        """Prefill work sent here lately (tokens, exponentially decayed to ``now``)."""
+        if self.recent_tokens <= 0.0:
+            return 0.0
+        return self.recent_tokens * 0.5 ** (max(0.0, now - self.recent_at) / self.half_life_s)
+
+    def add_recent(self, tokens: int, now: float) -> None:
+        self.recent_tokens = self.recent(now) + tokens
+        self.recent_at = now
+
+    def load(self, now: float | None = None) -> PodLoad:
         return PodLoad(
+            recent_prefill_tokens=self.recent(time.monotonic() if now is None else now),
             pending_prefill_tokens=self.pending_tokens,
             pending_requests=self.pending_requests,
             inflight=self.inflight,
@@ -73,6 +87,12 @@ class Pool:
             log.warning("backend %s marked unhealthy", name)
             state.healthy = False
             state.unhealthy_since = time.monotonic()
+
+    def note_routed(self, name: str, uncached_tokens: int, now: float | None = None) -> None:
+        """Remember the prefill work a decision sent to ``name`` (for balancing)."""
+        state = self.states.get(name)
+        if state is not None:
+            state.add_recent(uncached_tokens, time.monotonic() if now is None else now)
 
     def observe_prompt(self, tokens: int) -> None:
         self.mean_request_tokens += 0.05 * (tokens - self.mean_request_tokens)

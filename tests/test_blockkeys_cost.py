@@ -110,6 +110,21 @@ def test_recompute_weight_keeps_a_prefix_on_its_pod_through_a_moderate_queue() -
     assert d.terms["b"].recompute_ms == pytest.approx(200.0)
 
 
+def test_near_ties_go_to_the_pod_sent_the_least_work_lately() -> None:
+    # nobody holds the prompt and the queues are (almost) equal: a placement that only
+    # looked at the queue would pick "a" every time; recent work says "b" is the emptier
+    loads = {
+        "a": PodLoad(recent_prefill_tokens=50_000),
+        "b": PodLoad(pending_prefill_tokens=10, pending_requests=1, inflight=1),
+        "c": PodLoad(recent_prefill_tokens=20_000),
+    }
+    d = choose_by_cost(2000, {}, loads, P, 10, 1000, 512)
+    assert d.pod == "b" and set(d.ranked) == {"a", "b", "c"}
+    # outside the band the cost decides: a pod holding the prefix is not traded for balance
+    d = choose_by_cost(2000, {"a": match(h=150)}, loads, P, 10, 1000, 512)
+    assert d.pod == "a" and d.reason == Reason.CACHE
+
+
 def test_load_cap_stops_a_shared_first_block_from_herding() -> None:
     loads = {"a": PodLoad(inflight=20), "b": PodLoad(inflight=1), "c": PodLoad(inflight=0)}
     assert over_cap(loads, P) == {"a"}

@@ -286,7 +286,7 @@ class _Sim:
         pods = self.pool.healthy()
         for name in pods:
             self._snap(self.engines[name], t)
-        loads = {p: self.pool.states[p].load() for p in pods}
+        loads = {p: self.pool.states[p].load(now=t) for p in pods}
         keys = block_keys(tokens, self.block_size, self.root)
         decision: Decision
         if self.policy is Policy.COST:
@@ -311,6 +311,7 @@ class _Sim:
         self.pool.observe_prompt(len(tokens))
         terms = decision.terms.get(decision.pod)
         uncached = len(tokens) - (terms.cached_tokens if terms is not None else 0)
+        self.pool.note_routed(decision.pod, uncached, now=t)
         attempt = Attempt(self.pool.states[decision.pod], uncached, t)
         attempt.begin()
         self.router_cpu += time.process_time() - cpu0
