@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as _dt
 import json
 import logging
@@ -118,13 +119,21 @@ class Fleet:
         return out
 
 
-def start_fleet(args: argparse.Namespace, tokenizer: Path, rundir: Path, block_size: int) -> Fleet:
+def start_fleet(
+    args: argparse.Namespace,
+    tokenizer: Path,
+    rundir: Path,
+    block_size: int,
+    extra_argv: Sequence[str] = (),
+) -> Fleet:
+    """``kvplane sim`` with the run's engines and profile; ``extra_argv`` adds flags
+    (the P/D benchmark's ``--prefill N --kv-connector ...``)."""
     ports_file = rundir / f"fleet-{time.monotonic_ns()}.json"
     argv = [venv_bin("kvplane"), "--log-level", "warning", "sim"]
     argv += ["--engines", str(args.engines), "--profile", args.profile]
     argv += ["--model", MODEL, "--tokenizer", str(tokenizer), "--block-size", str(block_size)]
     argv += ["--time-scale", str(args.time_scale), "--stream-interval", str(args.stream_interval)]
-    argv += ["--host", HOST, "--describe", str(ports_file)]
+    argv += ["--host", HOST, "--describe", str(ports_file), *extra_argv]
     proc = spawn(f"sim-{ports_file.stem}", argv, rundir)
     deadline = time.monotonic() + 120
     while not ports_file.exists():
@@ -402,8 +411,21 @@ def _finish(
     suffix = "" if args.mode == "http" else "-des"
     stem = out_dir / f"routing{suffix}-{date}"
     json_path = stem.with_suffix(".json")
+    mine = {r["workload"] for r in runs}
+    if json_path.exists():  # a day's runs accumulate: other workloads' rows are kept
+        with contextlib.suppress(ValueError, KeyError):
+            old = json.loads(json_path.read_text())
+            kept = [r for r in old["runs"] if r["workload"] not in mine]
+            doc["runs"] = kept + runs
+            doc["targets"] = routing_report.check_targets(doc["runs"])
+            doc["earlier_commands"] = [
+                *old.get("earlier_commands", []),
+                old.get("command", ""),
+            ]
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    plots = routing_report.plot(doc, ttfts, stem) if ttfts else []
+    if ttfts:
+        routing_report.plot(doc, ttfts, stem)
+    plots = sorted(out_dir.glob(stem.name + "-*.png"))
     root = repo_root()
 
     def rel(p: Path) -> str:

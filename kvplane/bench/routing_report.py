@@ -133,11 +133,10 @@ def plot(
 
     out: list[Path] = []
     runs = doc["runs"]
-    workloads = list(dict.fromkeys(r["workload"] for r in runs))
-    # 1. TTFT CDF, one panel per workload
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
-    for ax, wl in zip(axes[0], workloads, strict=True):
-        for router, xs in ttfts.get(wl, {}).items():
+    # 1 + 2. per workload measured in this invocation: TTFT CDF, hit ratio vs the ceiling
+    for wl, per_router in ttfts.items():
+        fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+        for router, xs in per_router.items():
             if not xs:
                 continue
             s = sorted(x * 1000 for x in xs)
@@ -148,29 +147,21 @@ def plot(
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    p = stem.with_name(stem.name + "-ttft-cdf.png")
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    out.append(p)
-    # 2. hit ratio vs the oracle ceiling
-    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
-    for ax, wl in zip(axes[0], workloads, strict=True):
         rs = [r for r in runs if r["workload"] == wl and r.get("load_factor", 1.0) == 1.0]
-        ax.barh([r["router"] for r in rs], [r["hit_ratio"] for r in rs])
+        bx.barh([r["router"] for r in rs], [r["hit_ratio"] or 0.0 for r in rs])
         if rs and rs[0].get("oracle_hit_ratio") is not None:
-            ax.axvline(rs[0]["oracle_hit_ratio"], color="k", linestyle="--", label="oracle")
-            ax.legend(fontsize=7)
-        ax.set_title(f"cache hit ratio: {wl}")
-        ax.set_xlim(0, 1)
-        ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
-    p = stem.with_name(stem.name + "-hit-ratio.png")
-    fig.savefig(p, dpi=90)
-    plt.close(fig)
-    out.append(p)
+            bx.axvline(rs[0]["oracle_hit_ratio"], color="k", linestyle="--", label="oracle")
+            bx.legend(fontsize=7)
+        bx.set_title(f"cache hit ratio vs ceiling: {wl}")
+        bx.set_xlim(0, 1)
+        bx.tick_params(axis="y", labelsize=7)
+        fig.tight_layout()
+        p = stem.with_name(f"{stem.name}-{wl}.png")
+        fig.savefig(p, dpi=90)
+        plt.close(fig)
+        out.append(p)
     # 3. TTFT p90 against offered load (runs of the load sweep)
-    sweep = [r for r in runs if r.get("sweep")]
+    sweep = [r for r in runs if r.get("sweep") and r["workload"] in ttfts]
     if sweep:
         fig, ax = plt.subplots(figsize=(6, 4))
         for router in dict.fromkeys(r["router"] for r in sweep):
@@ -187,7 +178,7 @@ def plot(
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        p = stem.with_name(stem.name + "-ttft-vs-load.png")
+        p = stem.with_name(f"{stem.name}-{sweep[0]['workload']}-ttft-vs-load.png")
         fig.savefig(p, dpi=90)
         plt.close(fig)
         out.append(p)

@@ -1,0 +1,78 @@
+"""`kvplane bench routing` end to end, tiny: real routers in front of a real simulated fleet.
+
+Figures are not checked (a smoke run on a loaded machine says nothing about speed);
+the run must complete for every router without errors and write the documented rows.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvplane.bench import routing
+from kvplane.bench.metrics import CORE_KEYS
+from kvplane.bench.routing_report import SECTION, check_targets
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _rows(out: Path, stem: str) -> list[dict[str, object]]:
+    files = sorted(out.glob(f"{stem}-*.json"))
+    assert len(files) == 1, files
+    doc = json.loads(files[0].read_text())
+    rows: list[dict[str, object]] = doc["runs"]
+    return rows
+
+
+def test_http_run_through_kvplane_and_sglang_router(tmp_path: Path) -> None:
+    argv = ["--workloads", "gsp", "--routers", "kvplane,sglang-router-cache_aware"]
+    argv += ["--quick", "--limit", "12", "--time-scale", "1", "--out-dir", str(tmp_path)]
+    argv += ["--no-progress", "--rate-scale", "0.5"]
+    assert routing.main(argv) == 0
+    rows = _rows(tmp_path, "routing")
+    assert [r["router"] for r in rows] == ["kvplane", "sglang-router-cache_aware"]
+    for r in rows:
+        assert list(r)[: len(CORE_KEYS)] == list(CORE_KEYS)
+        assert r["errors"] == 0 and r["mode"] == "http" and r["requests"] == 12
+        assert r["ttft_p50_ms"] is not None and r["oracle_hit_ratio"] is not None
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert SECTION in md and "sglang-router-cache_aware" in md
+    assert list(tmp_path.glob("routing-*-gsp.png"))
+
+
+def test_des_run_accumulates_workloads_in_one_results_file(tmp_path: Path) -> None:
+    base = ["--mode", "des", "--routers", "kvplane,kvplane-round_robin", "--limit", "64"]
+    base += ["--engines", "2", "--out-dir", str(tmp_path), "--no-progress"]
+    assert routing.main([*base, "--workloads", "gsp"]) == 0
+    assert routing.main([*base, "--workloads", "no-reuse"]) == 0
+    rows = _rows(tmp_path, "routing-des")
+    assert sorted({str(r["workload"]) for r in rows}) == ["gsp", "no-reuse"]
+    assert all(r["mode"] == "des" and r["errors"] == 0 for r in rows)
+    noreuse = [r for r in rows if r["workload"] == "no-reuse"]
+    assert all(r["hit_ratio"] == 0 for r in noreuse)
+
+
+def test_targets_compare_kvplane_with_the_best_peer() -> None:
+    def row(router: str, p90: float, hit: float, imb: float) -> dict[str, object]:
+        return {
+            "router": router,
+            "workload": "gsp",
+            "ttft_p90_ms": p90,
+            "hit_ratio": hit,
+            "oracle_hit_ratio": 0.8,
+            "imbalance": imb,
+            "errors": 0,
+        }
+
+    runs = [
+        row("kvplane", 40.0, 0.78, 1.1),
+        row("vllm-router-round_robin", 400.0, 0.4, 1.0),
+        row("sglang-router-cache_aware", 100.0, 0.8, 1.3),
+        row("kvplane-round_robin", 10.0, 0.4, 1.0),  # our own baseline is not a peer
+    ]
+    t = {str(x["target"]).split(" ")[0]: x for x in check_targets(runs)}
+    assert "sglang-router-cache_aware" in t["TTFT"]["target"]
+    assert t["TTFT"]["value"] == 0.4 and t["TTFT"]["pass"]
+    assert t["captured"]["pass"] and t["load"]["pass"]
