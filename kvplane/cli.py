@@ -90,6 +90,14 @@ def _bench_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_pd(args: argparse.Namespace) -> int:
+    from kvplane.bench import pd
+
+    args.argv_echo = sys.argv[3:]
+    pd.run(args)
+    return 0
+
+
 def _sim(args: argparse.Namespace) -> int:
     from kvplane.sim.main import run
 
@@ -217,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     routing_arguments(r)
     r.set_defaults(handler=_bench_routing)
+    d = bsub.add_parser(
+        "pd", help="aggregated vs disaggregated vs conditional P/D serving on a simulated fleet"
+    )
+    from kvplane.bench.pd import add_arguments as pd_arguments
+
+    pd_arguments(d)
+    d.set_defaults(handler=_bench_pd)
     return p
 
 
