@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -65,12 +65,14 @@ MODES = pd_report.MODES
 PREFILL_HEAVY = pd_report.PREFILL_HEAVY
 KVPLANE_MODES = ("aggregated", "disaggregated", "conditional")
 
-# Offered load per workload (x its native rate): the aggregated 8-engine fleet is
-# loaded (about half its prefill capacity for the long-prompt loads) but not collapsing.
-DEFAULT_RATE_SCALE = {"mooncake": 2.0, "gsp": 1.0, PREFILL_HEAVY: 1.0}
-# Requests per workload: enough for a p99 of ~100+ requests, few enough that the four
-# modes of three workloads replay in about a quarter of an hour at time scale 4.
-DEFAULT_LIMIT = {"mooncake": 100, "gsp": 200, PREFILL_HEAVY: 120}
+# Offered load per workload (x its native rate, for 8 engines): the aggregated fleet is
+# loaded (the long-prompt loads use about half its prefill capacity) but not collapsing.
+DEFAULT_RATE_SCALE = {"mooncake": 2.0, "gsp": 2.0, PREFILL_HEAVY: 1.0}
+# Requests per workload: about 15 simulated seconds of arrivals each, so that the four
+# modes of three workloads replay in about a quarter of an hour at time scale 4. The
+# first 80 Mooncake requests stop before its 120k-token prompt, which alone would hold
+# a prefill engine for 5 simulated seconds.
+DEFAULT_LIMIT = {"mooncake": 80, "gsp": 300, PREFILL_HEAVY: 120}
 
 
 # --------------------------------------------------------------------------- workload
@@ -224,10 +226,12 @@ def kvplane_pd_config(
     *,
     link_gbps: float,
     aggregate_max_uncached_tokens: int | None,
+    settings: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The aggregated config plus roles and a ``pd`` section whose link matches the
-    simulated one (an operator would render the fleet's real bandwidth)."""
-    cfg = kvplane_config(model, engines, "cost")
+    simulated one (an operator would render the fleet's real bandwidth); ``settings``
+    override ``pd`` keys (experiments)."""
+    cfg = dict(kvplane_config(model, engines, "cost"))
     backends = cfg["backends"]
     assert isinstance(backends, list)
     for b, role in zip(backends, roles, strict=True):
@@ -239,6 +243,7 @@ def kvplane_pd_config(
     }
     if aggregate_max_uncached_tokens is not None:
         pd["aggregate_max_uncached_tokens"] = aggregate_max_uncached_tokens
+    pd.update(settings or {})
     cfg["pd"] = pd
     cfg["scrape_interval_s"] = SCRAPE_INTERVAL_S
     return cfg
@@ -298,9 +303,8 @@ def launch_mode(
             roles,
             link_gbps=args.pd_link_gbps,
             aggregate_max_uncached_tokens=0 if mode == "disaggregated" else None,
+            settings=parse_settings(args.conditional_set) if mode == "conditional" else None,
         )
-        if mode == "conditional":
-            cfg["pd"].update(parse_settings(args.conditional_set))
     else:
         raise SystemExit(f"bench pd: unknown mode {mode!r} (choose from {MODES})")
     path = rundir / f"{mode}.yaml"
@@ -606,6 +610,7 @@ def _finish(
             "P/D link GB/s": args.pd_link_gbps,
             "connector": "nixl",
             "vllm-router policy": args.vllm_policy,
+            "kvplane scrape interval s": SCRAPE_INTERVAL_S,
             **({"conditional pd": args.conditional_set} if args.conditional_set else {}),
         },
         "machine": machine_info(),
@@ -620,7 +625,9 @@ def _finish(
         "Latencies are simulated H100 seconds (client wall time / time scale). ITL is each "
         "request's mean gap between its first and last token; p50/p99 over requests.",
         f"Simulator event-loop lag resyncs over all runs: {resyncs} (0 = the modeled "
-        "timeline held).",
+        "timeline held; each is a step that started over 100 ms late).",
+        "Why the targets come out as they do, and the conditional settings tried: "
+        "docs/pd.md, Benchmark.",
     ]
     print(pd_report.table(runs))
     for t in doc["targets"]:

@@ -112,7 +112,7 @@ def check_targets(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         dis = _row(runs, wl, "disaggregated")
         if cond is None or cond.get("ttft_p90_ms") is None:
             continue
-        refs = [r for r in (agg, dis) if _usable(r, "ttft_p90_ms")]
+        refs = [r for r in (agg, dis) if r is not None and _usable(r, "ttft_p90_ms")]
         if refs:
             best = min(refs, key=lambda r: float(r["ttft_p90_ms"]))
             ratio = float(cond["ttft_p90_ms"]) / float(best["ttft_p90_ms"])
