@@ -132,14 +132,14 @@ class RoutingPipeline:
             param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from exc
         self.metrics.tokenize.labels(**self.metrics.labels).observe(time.perf_counter() - start)
+        # As vLLM: a prompt that leaves no room for one output token is a 400; a larger
+        # max_tokens is cut by the engine to what the context leaves, not refused.
         limit = self.config.model.max_model_len
-        if len(tokens) > limit or len(tokens) + (req.max_tokens or 0) > limit:
+        if len(tokens) >= limit:
             raise APIError(
                 400,
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(tokens) + (req.max_tokens or 0)} tokens ({len(tokens)} in the messages, "
-                f"{req.max_tokens or 0} in the completion). Please reduce the length of the "
-                "messages or completion.",
+                f"This model's maximum context length is {limit} tokens. However, your request "
+                f"has {len(tokens)} input tokens. Please reduce the length of the input.",
                 param="messages" if req.kind == "chat" else "prompt",
             )
         return tokens, keys
