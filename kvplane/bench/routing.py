@@ -221,6 +221,7 @@ def run_one(
     # such a run's latencies include the machine's, not only the fleet's
     out["sim_max_lag_s"] = round(max(float(s.get("max_lag_s", 0.0)) for s in stats1), 3)
     out["sim_lag_resyncs"] = sum(int(s.get("lag_resyncs", 0)) for s in stats1)
+    out["error_samples"] = sorted({str(r.error) for r in results if r.error})[:5]
     return RunOutput(out, results)
 
 
