@@ -21,6 +21,8 @@ from kvplane.router.engine_stats import EngineStats, parse_metrics
 
 log = logging.getLogger("kvplane.router.pool")
 
+SLOW_SCRAPES_UNHEALTHY = 3
+
 
 @dataclass
 class BackendState:
@@ -31,6 +33,7 @@ class BackendState:
     pending_requests: int = 0
     inflight: int = 0
     unhealthy_since: float | None = None
+    slow_scrapes: int = 0  # consecutive scrapes that timed out
     recent_tokens: float = 0.0  # uncached prompt tokens routed here, decayed
     recent_at: float = 0.0
     half_life_s: float = 30.0  # "lately": a few prefix lifetimes on a busy pod
@@ -39,7 +42,8 @@ class BackendState:
         """Prefill work sent here lately (tokens, exponentially decayed to ``now``)."""
         if self.recent_tokens <= 0.0:
             return 0.0
-        return self.recent_tokens * 0.5 ** (max(0.0, now - self.recent_at) / self.half_life_s)
+        decay = 2.0 ** (-max(0.0, now - self.recent_at) / self.half_life_s)
+        return float(self.recent_tokens * decay)
 
     def add_recent(self, tokens: int, now: float) -> None:
         self.recent_tokens = self.recent(now) + tokens
@@ -116,13 +120,23 @@ class Scraper:
         if state is None:
             return
         url = state.backend.url.rstrip("/")
-        timeout = max(0.5, self._interval)
+        # A busy engine answers /metrics late; only a refused connection, a non-200
+        # /health or SLOW_SCRAPES_UNHEALTHY slow scrapes in a row take it out of rotation.
+        timeout = max(2.0, 2 * self._interval)
+        slow = False
         try:
             health = await self._client.get(f"{url}/health", timeout=timeout)
             ok = health.status_code == 200
             metrics = await self._client.get(f"{url}/metrics", timeout=timeout) if ok else None
+        except httpx.TimeoutException:
+            ok, metrics, slow = True, None, True
         except httpx.HTTPError:
             ok, metrics = False, None
+        if slow:
+            state.slow_scrapes += 1
+            ok = state.slow_scrapes < SLOW_SCRAPES_UNHEALTHY and state.healthy
+        else:
+            state.slow_scrapes = 0
         if ok and metrics is not None and metrics.status_code == 200:
             state.stats = parse_metrics(metrics.text)
         if ok and not state.healthy:
