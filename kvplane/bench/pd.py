@@ -264,18 +264,24 @@ def vllm_router_pd_argv(
     port: int,
     prefill: Sequence[str],
     decode: Sequence[str],
-    policy: str,
+    prefill_policy: str,
+    decode_policy: str,
     prometheus_port: int,
 ) -> list[str]:
-    """``vllm-router`` in vLLM P/D mode over NIXL (no bootstrap ports: NIXL needs none)."""
+    """``vllm-router`` in vLLM P/D mode over NIXL (no bootstrap ports: NIXL needs none).
+
+    It sends the prefill leg with ``kv_transfer_params.do_remote_decode`` and relays
+    the returned params to the decode leg, as vLLM's toy proxy does. ``cache_aware``
+    renders every prompt on every worker of its pool (``/v1/completions/render``), so
+    it goes on the prefill pool only, where prefixes matter; the decode pool balances."""
     argv = [venv_bin("vllm-router"), "--host", HOST, "--port", str(port)]
     argv += ["--vllm-pd-disaggregation", "--kv-connector", "nixl"]
     for url in prefill:
         argv += ["--prefill", url, "none"]
     for url in decode:
         argv += ["--decode", url]
-    argv += ["--policy", policy, "--prometheus-port", str(prometheus_port)]
-    argv += ["--log-level", "warning"]
+    argv += ["--prefill-policy", prefill_policy, "--decode-policy", decode_policy]
+    argv += ["--prometheus-port", str(prometheus_port), "--log-level", "warning"]
     return argv
 
 
@@ -291,7 +297,9 @@ def launch_mode(
     if mode == "vllm-router-pd":
         pre = [e.url for e, r in zip(engines, roles, strict=True) if r == "prefill"]
         dec = [e.url for e, r in zip(engines, roles, strict=True) if r != "prefill"]
-        argv = vllm_router_pd_argv(port, pre, dec, args.vllm_policy, free_port())
+        argv = vllm_router_pd_argv(
+            port, pre, dec, args.vllm_prefill_policy, args.vllm_decode_policy, free_port()
+        )
         return RouterLaunch(mode, port, argv, {"NO_COLOR": "1"})
     if mode == "aggregated":
         cfg = kvplane_config(model, engines, "cost")
@@ -494,7 +502,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=4.0, help="wall s per simulated s")
     p.add_argument("--stream-interval", type=int, default=16)
     p.add_argument("--pd-link-gbps", type=float, default=50.0, help="P/D KV link GB/s")
-    p.add_argument("--vllm-policy", default="cache_aware", help="vllm-router's P/D policy")
+    p.add_argument("--vllm-prefill-policy", default="cache_aware", help="vllm-router P/D")
+    p.add_argument("--vllm-decode-policy", default="power_of_two", help="vllm-router P/D")
     p.add_argument(
         "--conditional-set",
         default="",
@@ -609,7 +618,8 @@ def _finish(
             "stream interval": args.stream_interval,
             "P/D link GB/s": args.pd_link_gbps,
             "connector": "nixl",
-            "vllm-router policy": args.vllm_policy,
+            "vllm-router prefill/decode policy": f"{args.vllm_prefill_policy}/"
+            f"{args.vllm_decode_policy}",
             "kvplane scrape interval s": SCRAPE_INTERVAL_S,
             **({"conditional pd": args.conditional_set} if args.conditional_set else {}),
         },
