@@ -280,6 +280,11 @@ def vllm_router_pd_argv(
         argv += ["--prefill", url, "none"]
     for url in decode:
         argv += ["--decode", url]
+    # vllm-router refuses power_of_two over one worker; with one there is no choice anyway
+    if len(prefill) < 2 and prefill_policy == "power_of_two":
+        prefill_policy = "round_robin"
+    if len(decode) < 2 and decode_policy == "power_of_two":
+        decode_policy = "round_robin"
     argv += ["--prefill-policy", prefill_policy, "--decode-policy", decode_policy]
     argv += ["--prometheus-port", str(prometheus_port), "--log-level", "warning"]
     return argv
