@@ -416,11 +416,15 @@ def _finish(
     suffix = "" if args.mode == "http" else "-des"
     stem = out_dir / f"routing{suffix}-{date}"
     json_path = stem.with_suffix(".json")
-    mine = {r["workload"] for r in runs}
-    if json_path.exists():  # a day's runs accumulate: other workloads' rows are kept
+
+    def key(r: dict[str, Any]) -> tuple[str, str, float]:
+        return (r["workload"], r["router"], float(r.get("load_factor", 1.0)))
+
+    mine = {key(r) for r in runs}
+    if json_path.exists():  # a day's runs accumulate: rows this run did not redo are kept
         with contextlib.suppress(ValueError, KeyError):
             old = json.loads(json_path.read_text())
-            kept = [r for r in old["runs"] if r["workload"] not in mine]
+            kept = [r for r in old["runs"] if key(r) not in mine]
             doc["runs"] = kept + runs
             doc["targets"] = routing_report.check_targets(doc["runs"])
             doc["earlier_commands"] = [
