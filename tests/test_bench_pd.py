@@ -84,6 +84,12 @@ def test_decision_counts_and_targets() -> None:
     runs = [row("aggregated", 100, 40), row("disaggregated", 120, 10), row("conditional", 104, 20)]
     targets = pd_report.check_targets(runs)
     assert [(t["value"], t["pass"]) for t in targets] == [(1.04, True), (0.5, True)]
+    assert all(t["trusted"] for t in targets) and pd_report.verdict(targets[0]) == "PASS"
+    runs[0]["lag_resyncs"] = pd_report.MAX_RESYNCS + 1  # the machine, not the fleet
+    shaky = pd_report.check_targets(runs)
+    assert [t["trusted"] for t in shaky] == [False, False]
+    assert pd_report.verdict(shaky[0]).startswith("PASS (untrusted")
+    runs[0]["lag_resyncs"] = 0
     runs[0]["errors"] = 1  # a reference with errors does not count
     assert pd_report.check_targets(runs)[0]["value"] == round(104 / 120, 3)
     runs[2]["errors"] = 2

@@ -646,7 +646,7 @@ def _finish(
     ]
     print(pd_report.table(runs))
     for t in doc["targets"]:
-        print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['workload']}: {t['target']} = {t['value']}")
+        print(f"{pd_report.verdict(t)}  {t['workload']}: {t['target']} = {t['value']}")
     if args.no_write:
         return doc
     out_dir = Path(args.out_dir) if args.out_dir else repo_root() / "bench" / "results"
