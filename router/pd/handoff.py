@@ -242,16 +242,39 @@ class PDService:
         else:
             order = d.decode_ranked[: self.config.max_attempts]
         raw = json.dumps(body).encode()
+        return await self._decode_legs(
+            routed, order, raw, body, path, headers, request_id, reason, None, prefill_attempts
+        )
+
+    async def _decode_legs(
+        self,
+        routed: PDRouted,
+        order: list[str],
+        raw: bytes,
+        body: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+        request_id: str,
+        reason: str,
+        prefill_pod: str | None,
+        prefill_attempts: int,
+    ) -> Response:
+        """Send the decode leg down ``order`` until one pod answers (retries before the
+        first byte). Without a prefill pod the decode pod prefills, so its uncached
+        tokens count as pending prefill there."""
+        d = routed.decision
         tries = 0
         for pod in order:
             tries += 1
-            uncached = len(routed.tokens) - d.aggregated[pod].prefill_terms.cached_tokens
+            uncached = 0
+            if prefill_pod is None:
+                uncached = len(routed.tokens) - d.aggregated[pod].prefill_terms.cached_tokens
             try:
                 opened = await self._open(pod, path, raw, headers, uncached)
             except LegFailed as exc:
                 self._decode_failed(exc, last=tries == len(order))
                 continue
-            served = Served(reason, pod, None, prefill_attempts, tries)
+            served = Served(reason, pod, prefill_pod, prefill_attempts, tries)
             return await self._respond(routed, opened, body, request_id, served)
         raise APIError(502, f"every decode attempt failed ({tries} tried)")
 
@@ -293,17 +316,18 @@ class PDService:
             )
         raw = json.dumps(protocols.nixl_decode_body(body, params)).encode()
         order = self._decode_order(routed, d.decode, prefill_pod)
-        dtries = 0
-        for pod in order:
-            dtries += 1
-            try:
-                opened = await self._open(pod, path, raw, headers, 0)
-            except LegFailed as exc:
-                self._decode_failed(exc, last=dtries == len(order))
-                continue
-            served = Served(PDReason.DISAGGREGATED, pod, prefill_pod, tries, dtries)
-            return await self._respond(routed, opened, body, request_id, served)
-        raise APIError(502, f"every decode attempt failed ({dtries} tried)")
+        return await self._decode_legs(
+            routed,
+            order,
+            raw,
+            body,
+            path,
+            headers,
+            request_id,
+            PDReason.DISAGGREGATED,
+            prefill_pod,
+            tries,
+        )
 
     async def _concurrent(
         self,
