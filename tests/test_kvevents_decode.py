@@ -29,52 +29,19 @@ from kvplane.router.kvevents.ingest import Ingestor
 from kvplane.router.kvevents.model import AllBlocksCleared, BlockRemoved, BlockStored
 from kvplane.router.tiers import Tier
 
+from kvplane.sim.publisher import AllBlocksCleared as MapCleared
+from kvplane.sim.publisher import BlockRemoved as MapRemoved
+from kvplane.sim.publisher import BlockStored as MapStored
+from kvplane.sim.publisher import EventBatch as Batch
+from kvplane.sim.publisher import KVCacheEvent
+
 Hash = bytes | int
 
 
-# vLLM 0.33: events are maps tagged with "type".
-class _Event(msgspec.Struct, omit_defaults=True, tag=True):
-    pass
-
-
-class MapStored(_Event, tag="BlockStored"):
-    block_hashes: list[Hash]
-    parent_block_hash: Hash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
-
-
-class MapRemoved(_Event, tag="BlockRemoved"):
-    block_hashes: list[Hash]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class MapCleared(_Event, tag="AllBlocksCleared"):
-    pass
-
-
-class MapFuture(_Event, tag="SomethingNew"):
+# vLLM 0.33: events are maps tagged with "type"; the simulator's publisher declares
+# them exactly as vLLM does (and tests/test_sim_conformance.py holds it to real vLLM).
+class MapFuture(KVCacheEvent, tag="SomethingNew"):
     detail: int = 1
-
-
-class Batch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
 
 
 # Legacy (vLLM 0.9 .. 2026-06): positional arrays. Each release sends the
@@ -136,7 +103,7 @@ class Batch09(msgspec.Struct, array_like=True):
 
 
 # SGLang 0.5: tagged maps, medium omitted when None, signed int64 hashes, cache_salt.
-class SgStored(_Event, tag="BlockStored"):
+class SgStored(KVCacheEvent, tag="BlockStored"):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
@@ -148,7 +115,7 @@ class SgStored(_Event, tag="BlockStored"):
     lora_name: str | None = None
 
 
-class SgRemoved(_Event, tag="BlockRemoved"):
+class SgRemoved(KVCacheEvent, tag="BlockRemoved"):
     block_hashes: list[int]
     medium: str | None = None
 

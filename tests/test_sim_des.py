@@ -10,7 +10,7 @@ import pytest
 from kvplane.router.kvevents import model as rk
 from support.router_server import deepseek_tokenizer_dir
 
-from kvplane.bench import metrics, workloads
+from kvplane.bench import metrics, routing, workloads
 from kvplane.bench.metrics import RequestResult, RunRecord
 from kvplane.bench.workloads import PromptBuilder, TraceRequest, Workload
 from kvplane.sim import des
@@ -152,14 +152,15 @@ def test_mooncake_head_on_four_engines() -> None:
     assert ours.record.ttft_p90_ms < rr.record.ttft_p90_ms
 
 
-def test_main_des_writes_rows_and_prints_a_table(
+def test_bench_routing_des_mode_writes_rows_and_prints_a_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    out = tmp_path / "rows.json"
-    argv = ["--workload", "gsp", "--limit", "48", "--engines", "2", "--block-size", "16"]
-    argv += ["--routers", "kvplane,kvplane-round_robin", "--rate-scale", "2", "--out", str(out)]
-    assert des.main_des(argv) == 0
-    rows = json.loads(out.read_text())
+    argv = ["--mode", "des", "--workloads", "gsp", "--limit", "48", "--engines", "2"]
+    argv += ["--block-size", "16", "--routers", "kvplane,kvplane-round_robin"]
+    argv += ["--rate-scale", "2", "--out-dir", str(tmp_path), "--no-progress"]
+    assert routing.main(argv) == 0
+    (out,) = tmp_path.glob("routing-des-*.json")
+    rows = json.loads(out.read_text())["runs"]
     assert [r["router"] for r in rows] == ["kvplane", "kvplane-round_robin"]
     for row in rows:
         assert tuple(row)[: len(metrics.CORE_KEYS)] == metrics.CORE_KEYS

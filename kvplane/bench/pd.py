@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -43,10 +43,12 @@ from kvplane.bench import pd_report
 from kvplane.bench.metrics import oracle_hit_ratio, summarize
 from kvplane.bench.procs import (
     HOST,
+    bench_relative,
+    cpu_seconds,
     default_tokenizer_dir,
     free_port,
     machine_info,
-    repo_root,
+    results_dir,
     spawn,
     update_markdown,
     venv_bin,
@@ -55,9 +57,15 @@ from kvplane.bench.procs import (
 )
 from kvplane.bench.replay import ReplayItem, replay
 from kvplane.bench.routers import EngineEndpoint, ModelFacts, RouterLaunch, kvplane_config
-from kvplane.bench.routing import MODEL, Progress, _cpu_seconds, _facts, start_fleet
-from kvplane.bench.workloads import MOONCAKE_BLOCK, PromptBuilder, TraceRequest, Workload
-from kvplane.sim.des import WORKLOAD_NAMES, build_workload
+from kvplane.bench.routing import MODEL, Progress, model_facts, start_fleet
+from kvplane.bench.workloads import (
+    MOONCAKE_BLOCK,
+    WORKLOAD_NAMES,
+    PromptBuilder,
+    TraceRequest,
+    Workload,
+    build_workload,
+)
 from kvplane.sim.profiles import PROFILES, EngineProfile
 from kvplane.sim.timing import decode_step_ms, prefill_ms
 
@@ -412,8 +420,8 @@ def run_mode(
             time.sleep(1.0)
             kv = mode in KVPLANE_MODES and mode != "aggregated"
             dec0 = _decisions(launch.port) if kv else {}
-            cpu0 = _cpu_seconds(rproc.popen.pid)
-            sim_cpu0 = _cpu_seconds(fleet.proc.popen.pid)
+            cpu0 = cpu_seconds(rproc.popen.pid)
+            sim_cpu0 = cpu_seconds(fleet.proc.popen.pid)
             client0 = _self_cpu()
             stats0 = fleet.stats()
             gaps0 = _token_gaps(fleet.engines)
@@ -429,8 +437,8 @@ def run_mode(
                     progress=bar,
                 )
             )
-            cpu = _cpu_seconds(rproc.popen.pid) - cpu0
-            sim_cpu = _cpu_seconds(fleet.proc.popen.pid) - sim_cpu0
+            cpu = cpu_seconds(rproc.popen.pid) - cpu0
+            sim_cpu = cpu_seconds(fleet.proc.popen.pid) - sim_cpu0
             client_cpu = _self_cpu() - client0
             stats1 = fleet.stats()
             gaps1 = _token_gaps(fleet.engines)
@@ -567,7 +575,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"bench pd: unknown modes {unknown} (choose from {MODES})")
     tokenizer = Path(args.tokenizer).expanduser() if args.tokenizer else default_tokenizer_dir()
     builder = PromptBuilder(tokenizer)
-    facts = _facts(args, tokenizer)
+    facts = model_facts(args, tokenizer)
     profile = PROFILES[args.profile]
     runs: list[dict[str, Any]] = []
     described: list[dict[str, Any]] = []
@@ -649,28 +657,21 @@ def _finish(
         print(f"{pd_report.verdict(t)}  {t['workload']}: {t['target']} = {t['value']}")
     if args.no_write:
         return doc
-    out_dir = Path(args.out_dir) if args.out_dir else repo_root() / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir, md = results_dir(args.out_dir)
     json_path = out_dir / f"pd-{date}.json"
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    root = repo_root()
-    try:
-        rel = str(json_path.relative_to(root / "bench"))
-    except ValueError:
-        rel = str(json_path)
-    section = pd_report.render_markdown(doc, rel)
-    md = root / "bench" / "RESULTS.md" if not args.out_dir else out_dir / "RESULTS.md"
+    section = pd_report.render_markdown(doc, bench_relative(json_path))
     update_markdown(md, section, pd_report.SECTION)
     print(f"wrote {json_path} and {md}")
     return doc
 
 
-def main(argv: Sequence[str] | None = None, run_fn: Callable[..., Any] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvplane bench pd", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     args.argv_echo = list(sys.argv[1:] if argv is None else argv)
-    (run_fn or run)(args)
+    run(args)
     return 0
 
 

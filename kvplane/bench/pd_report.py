@@ -12,6 +12,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvplane.bench.routing_report import fmt
+
 SECTION = "## Prefill/decode disaggregation"
 MODES = ("aggregated", "disaggregated", "conditional", "vllm-router-pd")
 PREFILL_HEAVY = "prefill-heavy"
@@ -158,14 +160,6 @@ def verdict(t: Mapping[str, Any]) -> str:
     return f"{word} (untrusted: up to {t['max_resyncs']} timeline resyncs per run)"
 
 
-def _fmt(x: Any, nd: int = 1) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "–"
-    if isinstance(x, float):
-        return f"{x:.{nd}f}"
-    return str(x)
-
-
 def _mix(r: Mapping[str, Any]) -> str:
     share = r.get("disaggregated_share")
     if share is None:
@@ -188,11 +182,11 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
     for r in runs:
         rows.append(
             f"| {r['workload']} | {r['router']} | {r.get('split', '–')} | "
-            f"{_fmt(r['ttft_p50_ms'], 0)} / {_fmt(r['ttft_p90_ms'], 0)} / "
-            f"{_fmt(r['ttft_p99_ms'], 0)} | {_fmt(r['itl_p50_ms'], 1)} / "
-            f"{_fmt(r.get('itl_p99_ms'), 1)} | {_pct(r.get('stalled_token_share'))} | "
-            f"{_fmt(r['throughput_rps'], 2)} | {r['errors']} | {_mix(r)} | "
-            f"{_fmt(r.get('prefill_busy'), 2)} / {_fmt(r.get('decode_busy'), 2)} | "
+            f"{fmt(r['ttft_p50_ms'], 0)} / {fmt(r['ttft_p90_ms'], 0)} / "
+            f"{fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'], 1)} / "
+            f"{fmt(r.get('itl_p99_ms'), 1)} | {_pct(r.get('stalled_token_share'))} | "
+            f"{fmt(r['throughput_rps'], 2)} | {r['errors']} | {_mix(r)} | "
+            f"{fmt(r.get('prefill_busy'), 2)} / {fmt(r.get('decode_busy'), 2)} | "
             f"{r.get('lag_resyncs', '–')} |"
         )
     return head + "\n".join(rows) + "\n"

@@ -193,6 +193,52 @@ def versions(packages: Sequence[str] = ("kvplane", "transformers", "tokenizers")
     return out
 
 
+def results_dir(out_dir: str | None) -> tuple[Path, Path]:
+    """Where a benchmark writes: (results folder, RESULTS.md). The checkout's
+    bench/results and bench/RESULTS.md by default; a custom folder (tests, experiments)
+    keeps its own RESULTS.md so the recorded one is never overwritten by accident."""
+    if out_dir:
+        folder = Path(out_dir)
+        md = folder / "RESULTS.md"
+    else:
+        folder = repo_root() / "bench" / "results"
+        md = repo_root() / "bench" / "RESULTS.md"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder, md
+
+
+def bench_relative(path: Path) -> str:
+    """``path`` as RESULTS.md links it (relative to bench/), else absolute."""
+    try:
+        return str(path.relative_to(repo_root() / "bench"))
+    except ValueError:
+        return str(path)
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` and its live descendants, from /proc (Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        ppid = int(fields[1])
+        children.setdefault(ppid, []).append(int(entry))
+        stats[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        total += stats.get(p, 0.0)
+        stack.extend(children.get(p, []))
+    return total
+
+
 def update_markdown(path: Path, section: str, heading: str) -> None:
     """Replaces (or appends) the ``heading`` section, leaving the others intact."""
     text = path.read_text() if path.exists() else "# Benchmark results\n"

@@ -18,13 +18,12 @@ import contextlib
 import datetime as _dt
 import json
 import logging
-import os
 import shlex
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,9 +33,11 @@ from kvplane.bench.metrics import RequestResult, oracle_hit_ratio, summarize
 from kvplane.bench.procs import (
     HOST,
     Proc,
+    bench_relative,
+    cpu_seconds,
     default_tokenizer_dir,
     machine_info,
-    repo_root,
+    results_dir,
     spawn,
     update_markdown,
     venv_bin,
@@ -45,8 +46,7 @@ from kvplane.bench.procs import (
 )
 from kvplane.bench.replay import ReplayItem, replay
 from kvplane.bench.routers import ALL_ROUTERS, EngineEndpoint, ModelFacts, launch_for
-from kvplane.bench.workloads import PromptBuilder, Workload
-from kvplane.sim.des import WORKLOAD_NAMES, build_workload
+from kvplane.bench.workloads import WORKLOAD_NAMES, PromptBuilder, Workload, build_workload
 
 MODEL = "sim-llama-3.1-8b"
 
@@ -78,30 +78,6 @@ class Progress:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def _cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` and its live descendants, from /proc (Linux)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    children: dict[int, list[int]] = {}
-    stats: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2 :].split()
-        ppid = int(fields[1])
-        children.setdefault(ppid, []).append(int(entry))
-        stats[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
-    total, stack = 0.0, [pid]
-    while stack:
-        p = stack.pop()
-        total += stats.get(p, 0.0)
-        stack.extend(children.get(p, []))
-    return total
 
 
 @dataclass
@@ -178,7 +154,7 @@ def run_one(
             raise SystemExit(f"bench routing: router {router} not ready:\n{rproc.tail()}")
         # the probe cached a block somewhere: forget it so every router starts cold
         time.sleep(1.0)
-        cpu0 = _cpu_seconds(rproc.popen.pid)
+        cpu0 = cpu_seconds(rproc.popen.pid)
         stats0 = fleet.stats()
         bar = Progress(f"{workload.name} x{load_factor:g} {router}", not args.no_progress)
         results, wall = asyncio.run(
@@ -192,7 +168,7 @@ def run_one(
                 progress=bar,
             )
         )
-        cpu = _cpu_seconds(rproc.popen.pid) - cpu0
+        cpu = cpu_seconds(rproc.popen.pid) - cpu0
         stats1 = fleet.stats()
     finally:
         rproc.stop()
@@ -275,7 +251,7 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def _facts(args: argparse.Namespace, tokenizer: Path) -> ModelFacts:
+def model_facts(args: argparse.Namespace, tokenizer: Path) -> ModelFacts:
     from kvplane.sim.profiles import PROFILES
 
     prof = PROFILES[args.profile]
@@ -297,7 +273,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.engines = min(args.engines, 2)
     tokenizer = Path(args.tokenizer).expanduser() if args.tokenizer else default_tokenizer_dir()
     builder = PromptBuilder(tokenizer)
-    facts = _facts(args, tokenizer)
+    facts = model_facts(args, tokenizer)
     routers = _csv(args.routers)
     sweep = [float(x) for x in _csv(args.sweep)]
     runs: list[dict[str, Any]] = []
@@ -411,8 +387,7 @@ def _finish(
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['workload']}: {t['target']} = {t['value']}")
     if args.no_write:
         return doc
-    out_dir = Path(args.out_dir) if args.out_dir else repo_root() / "bench" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir, md = results_dir(args.out_dir)
     suffix = "" if args.mode == "http" else "-des"
     stem = out_dir / f"routing{suffix}-{date}"
     json_path = stem.with_suffix(".json")
@@ -435,30 +410,22 @@ def _finish(
     if ttfts:
         routing_report.plot(doc, ttfts, stem)
     plots = sorted(out_dir.glob(stem.name + "-*.png"))
-    root = repo_root()
-
-    def rel(p: Path) -> str:
-        try:
-            return str(p.relative_to(root / "bench"))
-        except ValueError:
-            return str(p)
-
-    section = routing_report.render_markdown(doc, rel(json_path), [rel(p) for p in plots])
+    section = routing_report.render_markdown(
+        doc, bench_relative(json_path), [bench_relative(p) for p in plots]
+    )
     heading = routing_report.SECTION + ("" if args.mode == "http" else " (discrete-event)")
     section = section.replace(routing_report.SECTION, heading, 1)
-    # a custom --out-dir (tests, experiments) keeps its own RESULTS.md
-    md = root / "bench" / "RESULTS.md" if not args.out_dir else out_dir / "RESULTS.md"
     update_markdown(md, section, heading)
     print(f"wrote {json_path} and {md}")
     return doc
 
 
-def main(argv: Sequence[str] | None = None, run_fn: Callable[..., Any] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvplane bench routing", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
     args.argv_echo = list(sys.argv[1:] if argv is None else argv)
-    (run_fn or run)(args)
+    run(args)
     return 0
 
 

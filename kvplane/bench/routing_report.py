@@ -16,7 +16,8 @@ TARGET_WORKLOADS = ("mooncake", "gsp")
 PEER_PREFIXES = ("vllm-router-", "sglang-router-")
 
 
-def _fmt(x: Any, nd: int = 1) -> str:
+def fmt(x: Any, nd: int = 1) -> str:
+    """A table cell: "–" for missing or non-finite figures."""
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
     if isinstance(x, float):
@@ -87,11 +88,11 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
         oracle = r.get("oracle_hit_ratio") or 0.0
         captured = r["hit_ratio"] / oracle if oracle else None
         rows.append(
-            f"| {r['workload']} | {r['router']} | {_fmt(r['ttft_p50_ms'], 0)} / "
-            f"{_fmt(r['ttft_p90_ms'], 0)} / {_fmt(r['ttft_p99_ms'], 0)} | "
-            f"{_fmt(r['itl_p50_ms'], 1)} | {_fmt(r['throughput_rps'], 2)} | {r['errors']} | "
-            f"{_fmt(r['hit_ratio'], 3)} | {_fmt(r['oracle_hit_ratio'], 3)} | "
-            f"{_fmt(captured, 2)} | {_fmt(r['imbalance'], 2)} | {_fmt(r['router_cpu_s'], 1)} |"
+            f"| {r['workload']} | {r['router']} | {fmt(r['ttft_p50_ms'], 0)} / "
+            f"{fmt(r['ttft_p90_ms'], 0)} / {fmt(r['ttft_p99_ms'], 0)} | "
+            f"{fmt(r['itl_p50_ms'], 1)} | {fmt(r['throughput_rps'], 2)} | {r['errors']} | "
+            f"{fmt(r['hit_ratio'], 3)} | {fmt(r['oracle_hit_ratio'], 3)} | "
+            f"{fmt(captured, 2)} | {fmt(r['imbalance'], 2)} | {fmt(r['router_cpu_s'], 1)} |"
         )
     return head + "\n".join(rows) + "\n"
 

@@ -29,7 +29,7 @@ import random
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from pathlib import Path
@@ -543,3 +543,25 @@ def total_segments(requests: Iterable[TraceRequest]) -> int:
     for r in requests:
         seen.update(r.segments)
     return len(seen)
+
+
+WORKLOAD_NAMES: Final = ("mooncake", "gsp", "multi-round-qa", "long-doc-qa", "no-reuse")
+
+
+def build_workload(
+    name: str, *, trace: Path | None, limit: int | None, start: int, rate_scale: float
+) -> Workload:
+    if name == "mooncake":
+        return mooncake(trace, limit=limit, start=start, rate_scale=rate_scale)
+    builders: dict[str, Callable[[], Workload]] = {
+        "gsp": generated_shared_prefix,
+        "multi-round-qa": multi_round_qa,
+        "long-doc-qa": long_doc_qa,
+        "no-reuse": no_reuse,
+    }
+    if name not in builders:
+        raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOAD_NAMES)})")
+    wl = builders[name]()
+    if limit is not None:
+        wl = replace(wl, requests=wl.requests[start : start + limit])
+    return scale_rate(wl, rate_scale) if rate_scale != 1.0 else wl

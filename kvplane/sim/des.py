@@ -23,23 +23,18 @@ when it starts); the live scraper would see the state before it.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import heapq
-import json
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Final
 
 from kvplane.bench.metrics import (
     RequestResult,
     RunRecord,
     computed_prefill,
-    format_table,
     mean_itl,
     oracle_hit_ratio,
     summarize,
@@ -49,12 +44,6 @@ from kvplane.bench.workloads import (
     SegmentTokens,
     TraceRequest,
     Workload,
-    generated_shared_prefix,
-    long_doc_qa,
-    mooncake,
-    multi_round_qa,
-    no_reuse,
-    scale_rate,
     synthetic_tokens,
 )
 from kvplane.router.blockkeys import block_keys, generation_root
@@ -483,111 +472,3 @@ def run_des(
     record.extra["block_size"] = prof.block_size
     record.extra["virtual_s"] = round(end - start, 3)
     return record, results
-
-
-# --------------------------------------------------------------------------- CLI
-
-WORKLOAD_NAMES: Final = ("mooncake", "gsp", "multi-round-qa", "long-doc-qa", "no-reuse")
-
-
-def build_workload(
-    name: str, *, trace: Path | None, limit: int | None, start: int, rate_scale: float
-) -> Workload:
-    if name == "mooncake":
-        return mooncake(trace, limit=limit, start=start, rate_scale=rate_scale)
-    builders: dict[str, Callable[[], Workload]] = {
-        "gsp": generated_shared_prefix,
-        "multi-round-qa": multi_round_qa,
-        "long-doc-qa": long_doc_qa,
-        "no-reuse": no_reuse,
-    }
-    if name not in builders:
-        raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOAD_NAMES)})")
-    wl = builders[name]()
-    if limit is not None:
-        wl = replace(wl, requests=wl.requests[start : start + limit])
-    return scale_rate(wl, rate_scale) if rate_scale != 1.0 else wl
-
-
-class _Bar:
-    def __init__(self, label: str) -> None:
-        self.label = label
-        self.enabled = sys.stderr.isatty()
-        self._last = 0.0
-
-    def __call__(self, done: int, total: int) -> None:
-        now = time.monotonic()
-        if not self.enabled or (done < total and now - self._last < 0.25):
-            return
-        self._last = now
-        end = "\n" if done >= total else ""
-        sys.stderr.write(f"\r{self.label:<28} {done}/{total}{end}")
-        sys.stderr.flush()
-
-
-def des_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", choices=WORKLOAD_NAMES, default="mooncake")
-    p.add_argument("--trace", type=Path, default=None, help="Mooncake-format JSONL")
-    p.add_argument("--limit", type=int, default=2000, help="requests (0 = all)")
-    p.add_argument("--start", type=int, default=0, help="skip this many requests first")
-    p.add_argument("--rate-scale", type=float, default=1.0, help="arrivals x this rate")
-    p.add_argument("--engines", type=int, default=8)
-    p.add_argument("--profile", default="h100-llama-3.1-8b", choices=sorted(PROFILES))
-    p.add_argument("--block-size", type=int, default=64)
-    p.add_argument("--routers", default="kvplane,kvplane-round_robin,kvplane-sticky")
-    p.add_argument("--scrape-interval", type=float, default=0.5)
-    p.add_argument("--kv-delay", type=float, default=DEFAULT_KV_EVENT_DELAY_S)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
-
-
-def main_des(argv: Sequence[str] | None = None) -> int:
-    """``kvplane bench routing --mode des``: one row per router, printed as a table."""
-    parser = argparse.ArgumentParser(prog="kvplane bench routing --mode des")
-    des_arguments(parser)
-    args = parser.parse_args(argv)
-    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    unknown = [r for r in routers if r not in ROUTERS]
-    if unknown:
-        parser.error(f"unknown routers {unknown} (known: {', '.join(ROUTERS)})")
-    wl = build_workload(
-        args.workload,
-        trace=args.trace,
-        limit=args.limit or None,
-        start=args.start,
-        rate_scale=args.rate_scale,
-    )
-    prof = profile_for(args.profile, args.block_size)
-    opts = DesOptions(oracle=oracle_hit_ratio(wl, prof.block_size))
-    print(
-        f"{wl.description}: {len(wl.requests)} requests, {wl.offered_rps:.2f} req/s offered, "
-        f"{args.engines} x {args.profile}, block {prof.block_size}",
-        file=sys.stderr,
-    )
-    records = []
-    for router in routers:
-        wall0 = time.perf_counter()
-        rec, _ = run_des(
-            wl,
-            router,
-            engines=args.engines,
-            profile=args.profile,
-            block_size=args.block_size,
-            scrape_interval_s=args.scrape_interval,
-            seed=args.seed,
-            progress=_Bar(router),
-            kv_event_delay_s=args.kv_delay,
-            options=opts,
-        )
-        rec.extra["wall_s"] = round(time.perf_counter() - wall0, 2)
-        records.append(rec)
-    print(format_table(records))
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps([r.to_json() for r in records], indent=1) + "\n")
-        print(f"wrote {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main_des())
