@@ -54,7 +54,9 @@ def choose_by_cost(
     kv_bytes_per_token: int,
     mean_request_tokens: float,
 ) -> Decision:
-    """Lowest predicted TTFT among pods under the load cap; ties go to fewer in flight."""
+    """Lowest score (predicted TTFT with recompute weighted) among pods under the load
+    cap; near-ties go to the pod sent the least prefill work lately, exact ties to fewer
+    in flight."""
     pods = list(loads)
     terms = {
         p: predict(
@@ -71,20 +73,17 @@ def choose_by_cost(
     }
     capped = over_cap(loads, params)
     eligible = [p for p in pods if p not in capped] or pods
-
     w = params.recompute_weight
+    score = {p: t.ttft_ms + (w - 1.0) * t.recompute_ms for p, t in terms.items()}
 
     def rank_key(p: str) -> tuple[float, int, str]:
-        t = terms[p]
-        return (t.ttft_ms + (w - 1.0) * t.recompute_ms, loads[p].inflight, p)
+        return (score[p], loads[p].inflight, p)
 
     ranked = sorted(eligible, key=rank_key) + sorted(set(pods) - set(eligible), key=rank_key)
     # Near-ties go to the pod sent the least prefill work lately: queues that look equal now
     # say little about the requests that will follow this prompt's prefix.
-    top = rank_key(ranked[0])[0]
-    band = [
-        p for p in ranked if p in eligible and rank_key(p)[0] <= top * (1 + params.balance_band)
-    ]
+    limit = score[ranked[0]] * (1 + params.balance_band)
+    band = [p for p in eligible if score[p] <= limit]
     if len(band) > 1:
         pick = min(band, key=lambda p: (loads[p].recent_prefill_tokens, rank_key(p)))
         ranked.remove(pick)

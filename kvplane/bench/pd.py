@@ -220,10 +220,10 @@ def with_prefill(split: Split, prefill: int) -> Split:
 
 # --------------------------------------------------------------------------- routers
 
-# kvplane's scraper times a backend out after max(0.5 s, interval): on two busy shared
-# cores a long prompt's bookkeeping can hold the router's loop that long, and every
-# backend would be marked unhealthy at once (seen with Mooncake's 100k-token prompts).
-# 1 s wall is 0.25 simulated s at time scale 4, still fresh next to request lifetimes.
+# The router's default scrape interval (the routing benchmark scrapes every 0.5 s): half
+# the scrapes on two shared cores. 1 s wall is 0.25 simulated s at time scale 4, still
+# fresh next to request lifetimes. (The recorded run predates the scraper's tolerance of
+# slow scrapes, when a stalled loop could mark every backend unhealthy at once.)
 SCRAPE_INTERVAL_S = 1.0
 
 
