@@ -132,8 +132,10 @@ def _headers(routed: Routed, request_id: str, pod: str, attempts: int) -> dict[s
         "x-kvplane-pod": pod,
         "x-kvplane-reason": d.reason if pod == d.pod else f"retry_after_{d.pod}",
         "x-kvplane-attempts": str(attempts),
-        "x-kvplane-prompt-tokens": str(len(routed.tokens)),
     }
+    whole = routed.prompt.whole()  # None: a deferred tail still being encoded
+    if whole is not None:
+        out["x-kvplane-prompt-tokens"] = str(len(whole[0]))
     terms = d.terms.get(pod)
     if terms is not None:
         out["x-kvplane-predicted-ttft-ms"] = f"{terms.ttft_ms:.2f}"
@@ -205,7 +207,7 @@ def create_app(
                 status = str(response.status_code)
                 await response(scope, receive, send)
                 return
-            routed = await router.pipeline.route(req)
+            routed = await router.pipeline.route(req, defer_tail=True)
             lines = header_lines(raw_headers, request_id.encode("latin-1"))
             code = await _forward(
                 router, raw, lines, req, routed, request_id, path, received, receive, send
@@ -357,11 +359,15 @@ async def _forward(
     d = routed.decision
     lv = tuple(m.labels.values())
     _child(router, m.decisions, *lv, d.reason, d.pod).inc()
-    _child(router, m.prompt_tokens, *lv).inc(len(routed.tokens))
-    router.pool.observe_prompt(len(routed.tokens))
-    uncached = {
-        p: len(routed.tokens) - t.cached_tokens for p, t in d.terms.items()
-    } or dict.fromkeys(d.ranked, len(routed.tokens))
+    prompt_tokens = _child(router, m.prompt_tokens, *lv)
+
+    def count(tokens: list[int], _keys: list[int]) -> None:
+        prompt_tokens.inc(len(tokens))
+        router.pool.observe_prompt(len(tokens))
+
+    routed.prompt.when_whole(count)
+    n = routed.prompt.n_tokens  # an estimate while a deferred tail is encoded
+    uncached = {p: n - t.cached_tokens for p, t in d.terms.items()} or dict.fromkeys(d.ranked, n)
     predicted = d.terms[d.pod].cached_tokens if d.pod in d.terms else None
 
     def on_reported(cached: int) -> None:
@@ -373,13 +379,14 @@ async def _forward(
         # The pod will hold the prompt's blocks until its events say otherwise; only
         # the blocks it does not already hold need a mark (a shared prefix: a few).
         held = routed.matches.get(pod, {}).get(Tier.HBM, 0) if routed.matches else 0
-        if len(routed.keys) > held:
-            task = asyncio.create_task(
-                router.index.mark_tentative(
-                    pod, routed.keys[held:], router.config.cost.tentative_ttl_s
-                )
-            )
-            task.add_done_callback(_log_task_error)
+
+        def mark(_tokens: list[int], keys: list[int]) -> None:
+            if len(keys) > held:
+                ttl = router.config.cost.tentative_ttl_s
+                task = asyncio.create_task(router.index.mark_tentative(pod, keys[held:], ttl))
+                task.add_done_callback(_log_task_error)
+
+        routed.prompt.when_whole(mark)
         return _headers(routed, request_id, pod, attempts)
 
     _child(router, m.added, *lv).observe(time.perf_counter() - received)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvplane.router.blockkeys import block_keys, generation_root
+from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
 from kvplane.router.choice import (
     Decision,
     Reason,
@@ -28,11 +29,15 @@ from kvplane.router.index.base import PrefixMatches, ResidencyIndex
 from kvplane.router.pool import Pool
 from kvplane.router.request import ParsedRequest
 from kvplane.router.telemetry import RouterMetrics
-from kvplane.router.tokens import ChatFormatError, PromptTokenizer, prompt_source
+from kvplane.router.tokens import CachedPrefix, ChatFormatError, PromptTokenizer, prompt_source
 
-# Encoding at most this many characters (about 1000 tokens, ~1 ms) is done on the
-# event loop: less than a thread hop costs on a busy machine.
+# Encoding at most this many characters (about 1000 tokens, 1-3 ms with a regex
+# pre-tokenizer) is done on the event loop: less than a thread hop costs on a busy
+# machine, where the thread then waits for the GIL.
 INLINE_TAIL_CHARS = 4096
+# A new tail longer than this after a cached prefix (~0.7 ms of encoding) is encoded
+# after forwarding when the caller allows it.
+DEFER_TAIL_CHARS = 1024
 
 log = logging.getLogger("kvplane.router")
 
@@ -75,11 +80,54 @@ class IndexGuard:
 
 
 @dataclass(frozen=True, slots=True)
-class Routed:
+class Prompt:
+    """A prompt as the router sees it: token ids and their block keys.
+
+    With ``rest`` set, ``tokens`` and ``keys`` cover only the prompt's exactly known
+    prefix (from the reuse cache), ``n_tokens`` is an estimate, and ``rest`` resolves
+    to the whole prompt's (tokens, keys) once its new tail is encoded."""
+
     tokens: list[int]
     keys: list[int]
+    n_tokens: int
+    rest: asyncio.Future[tuple[list[int], list[int]]] | None = None
+
+    def whole(self) -> tuple[list[int], list[int]] | None:
+        """(tokens, keys) of the whole prompt, None while its tail is being encoded."""
+        if self.rest is None:
+            return self.tokens, self.keys
+        if self.rest.done() and not self.rest.cancelled() and self.rest.exception() is None:
+            return self.rest.result()
+        return None
+
+    def when_whole(self, fn: Callable[[list[int], list[int]], None]) -> None:
+        """Call ``fn(tokens, keys)`` of the whole prompt: now, or when its tail is encoded."""
+        if self.rest is None:
+            fn(self.tokens, self.keys)
+            return
+
+        def done(f: asyncio.Future[tuple[list[int], list[int]]]) -> None:
+            if f.cancelled() or f.exception() is not None:
+                log.warning("tail tokenization failed: %r", f.cancelled() or f.exception())
+                return
+            fn(*f.result())
+
+        self.rest.add_done_callback(done)
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    prompt: Prompt
     decision: Decision
     matches: PrefixMatches | None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt.tokens
+
+    @property
+    def keys(self) -> list[int]:
+        return self.prompt.keys
 
 
 class RoutingPipeline:
@@ -107,50 +155,84 @@ class RoutingPipeline:
             return self.tokenizer.render_chat(req.messages, req.chat), req.chat.add_special_tokens
         return prompt_source(req.prompt), req.add_special_tokens
 
-    def _encode_and_key(self, text: str, special: bool) -> tuple[list[int], list[int]]:
-        tokens = self.tokenizer.encode(text, special)
+    def _keys(self, tokens: list[int]) -> Prompt:
+        keys = block_keys(tokens, self.config.model.block_size, self.root)
+        return Prompt(tokens, keys, len(tokens))
+
+    def _new_and_keys(self, text: str, special: bool) -> tuple[list[int], list[int]]:
+        tokens = self.tokenizer.encode_new(text, special)
         return tokens, block_keys(tokens, self.config.model.block_size, self.root)
 
-    async def tokens_and_keys(self, req: ParsedRequest) -> tuple[list[int], list[int]]:
-        """Tokens and block keys. Encoding runs in the tokenizer's threads unless a
-        cached prefix leaves only a short tail (then the hop would cost more than
-        the work, and the loop is held for well under a millisecond)."""
+    def _complete_and_keys(
+        self, prefix: CachedPrefix, prefix_keys: list[int]
+    ) -> tuple[list[int], list[int]]:
+        """The whole prompt's ids and keys, chaining on from the prefix's keys."""
+        tokens = self.tokenizer.complete(prefix)
+        block = self.config.model.block_size
+        parent = prefix_keys[-1] if prefix_keys else self.root
+        return tokens, prefix_keys + chain_keys(tokens, block, parent, len(prefix_keys))
+
+    async def _encode(self, text: str, special: bool, defer_tail: bool) -> Prompt:
+        """Encoding runs in the tokenizer's threads unless at most ``INLINE_TAIL_CHARS``
+        need it. With ``defer_tail``, a long new tail after a cached prefix is encoded
+        while the request is already on its way: the decision needs only the prefix
+        (new text cannot be resident anywhere this router's cache would not know of),
+        and the context check only an upper bound on the tail's ids."""
+        prefix = self.tokenizer.cached_prefix(text, special)
+        if prefix is None:
+            if len(text) <= INLINE_TAIL_CHARS:
+                return self._keys(self.tokenizer.encode_new(text, special))
+            tokens, keys = await self.tokenizer.run(self._new_and_keys, text, special)
+            return Prompt(tokens, keys, len(tokens))
+        fits = len(prefix.ids) + prefix.max_tail_ids < self.config.model.max_model_len
+        if defer_tail and fits and len(prefix.tail) > DEFER_TAIL_CHARS:
+            keys = block_keys(prefix.ids, self.config.model.block_size, self.root)
+            rest = asyncio.ensure_future(self.tokenizer.run(self._complete_and_keys, prefix, keys))
+            return Prompt(prefix.ids, keys, len(prefix.ids) + prefix.tail_estimate, rest)
+        if len(prefix.tail) <= INLINE_TAIL_CHARS:
+            return self._keys(self.tokenizer.complete(prefix))
+        keys = block_keys(prefix.ids, self.config.model.block_size, self.root)
+        tokens, keys = await self.tokenizer.run(self._complete_and_keys, prefix, keys)
+        return Prompt(tokens, keys, len(tokens))
+
+    async def prompt(self, req: ParsedRequest, defer_tail: bool = False) -> Prompt:
+        """The request's tokens and block keys; a prompt the model cannot take is a 400."""
         start = time.perf_counter()
         try:
             source, special = self._source(req)
             if isinstance(source, list):
-                tokens = source
-                keys = block_keys(tokens, self.config.model.block_size, self.root)
+                prompt = self._keys(source)
             else:
-                quick = self.tokenizer.encode_reusing(source, special, INLINE_TAIL_CHARS)
-                if quick is not None:
-                    tokens = quick
-                    keys = block_keys(tokens, self.config.model.block_size, self.root)
-                else:
-                    tokens, keys = await self.tokenizer.run(self._encode_and_key, source, special)
+                prompt = await self._encode(source, special, defer_tail)
         except ChatFormatError as exc:
             param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from exc
         self.metrics.tokenize.labels(**self.metrics.labels).observe(time.perf_counter() - start)
         # As vLLM: a prompt that leaves no room for one output token is a 400; a larger
-        # max_tokens is cut by the engine to what the context leaves, not refused.
+        # max_tokens is cut by the engine to what the context leaves, not refused. (A
+        # deferred tail is only taken when even its longest encoding fits.)
         limit = self.config.model.max_model_len
-        if len(tokens) >= limit:
+        if prompt.n_tokens >= limit:
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {len(tokens)} input tokens. Please reduce the length of the input.",
+                f"has {prompt.n_tokens} input tokens. Please reduce the length of the input.",
                 param="messages" if req.kind == "chat" else "prompt",
             )
-        return tokens, keys
+        return prompt
 
-    async def route(self, req: ParsedRequest, exclude: frozenset[str] = frozenset()) -> Routed:
-        tokens, keys = await self.tokens_and_keys(req)
-        return await self.decide(tokens, keys, exclude)
+    async def tokens_and_keys(self, req: ParsedRequest) -> tuple[list[int], list[int]]:
+        """The whole prompt's tokens and block keys."""
+        prompt = await self.prompt(req)
+        return prompt.tokens, prompt.keys
 
-    async def decide(
-        self, tokens: list[int], keys: list[int], exclude: frozenset[str] = frozenset()
+    async def route(
+        self, req: ParsedRequest, exclude: frozenset[str] = frozenset(), defer_tail: bool = False
     ) -> Routed:
+        return await self.decide(await self.prompt(req, defer_tail), exclude)
+
+    async def decide(self, prompt: Prompt, exclude: frozenset[str] = frozenset()) -> Routed:
+        tokens, keys = prompt.tokens, prompt.keys
         states = self.pool.states
         pods = [
             p
@@ -178,7 +260,7 @@ class RoutingPipeline:
                 decision = Decision(ranked[0], Reason.INDEX_DOWN, ranked, {})
             else:
                 decision = choose_by_cost(
-                    len(tokens),
+                    prompt.n_tokens,
                     matches,
                     loads,
                     cost,
@@ -187,5 +269,5 @@ class RoutingPipeline:
                     self.pool.mean_request_tokens,
                 )
         terms = decision.terms.get(decision.pod)
-        self.pool.note_routed(decision.pod, len(tokens) - (terms.cached_tokens if terms else 0))
-        return Routed(tokens, keys, decision, matches)
+        self.pool.note_routed(decision.pod, prompt.n_tokens - (terms.cached_tokens if terms else 0))
+        return Routed(prompt, decision, matches)

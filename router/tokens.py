@@ -7,12 +7,14 @@ chat template to text (``add_generation_prompt=True``) and encoding that with
 so ``tests/test_tokenize_vs_vllm.py`` compares with a real engine's
 ``/tokenize``.
 
-Encoding is CPU-bound; callers run it off the event loop (see ``encode_async``).
+Encoding is CPU-bound: off the event loop it runs through ``encode_batch``, which
+releases the GIL (``encode`` does not).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from array import array
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -88,6 +90,20 @@ def prompt_source(prompt: Any) -> str | list[int]:
     raise ChatFormatError("'prompt' must be a string, a list of strings or token ids")
 
 
+@dataclass(frozen=True, slots=True)
+class CachedPrefix:
+    """A prompt whose leading ids the reuse cache knows exactly; its tail is not encoded yet.
+
+    A router can decide on these ids (the tail, new text, cannot be resident anywhere
+    this cache would not know of) and encode the tail after forwarding."""
+
+    ids: list[int]  # opening special ids + the cached prefix's ids
+    tail: str  # the text after them
+    closing: list[int]  # special ids the post-processor appends
+    max_tail_ids: int  # no encoding of the tail (with closing ids) has more ids
+    tail_estimate: int  # ids the tail most likely has (the cached prompt's chars per id)
+
+
 class PromptTokenizer:
     """The engine's tokenizer and chat template, with exact prefix reuse."""
 
@@ -124,42 +140,68 @@ class PromptTokenizer:
     # -- encoding ---------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text``; equal to a full encode, cheaper on a shared prefix."""
-        ids = self.encode_reusing(text, add_special_tokens, max_tail_chars=None)
-        assert ids is not None
-        return ids
+        prefix = self.cached_prefix(text, add_special_tokens)
+        if prefix is not None:
+            return self.complete(prefix)
+        return self.encode_new(text, add_special_tokens)
 
-    def encode_reusing(
-        self, text: str, add_special_tokens: bool, max_tail_chars: int | None
-    ) -> list[int] | None:
-        """Like ``encode``, but None (nothing encoded) when more than ``max_tail_chars``
-        would have to be encoded: the caller can then do it off the event loop."""
+    def cached_prefix(self, text: str, add_special_tokens: bool) -> CachedPrefix | None:
+        """The exactly known leading ids of ``text`` from the reuse cache (None: no reusable
+        prefix, or reuse is off). Nothing is encoded: the tail is left to ``complete``."""
         if not self.reuse_enabled or (add_special_tokens and self._specials is None):
-            if max_tail_chars is not None and len(text) > max_tail_chars:
-                return None
-            return list(self._rust.encode(text, add_special_tokens=add_special_tokens).ids)
-        body = self._encode_body(text, max_tail_chars)
-        if body is None:
             return None
-        if add_special_tokens and self._specials is not None:
-            head, tail = self._specials
-            return [*head, *body, *tail]
-        return body
-
-    def _encode_body(self, text: str, max_tail_chars: int | None) -> list[int] | None:
         hashes = chunk_hashes(text)
         entry = self._cache.find(hashes) if hashes else None
-        if entry is not None:
-            if max_tail_chars is not None and len(text) - entry.cut > max_tail_chars:
-                return None
-            tail = self._rust.encode(text[entry.cut :], add_special_tokens=False).ids
-            return [*entry.ids[: entry.n_ids], *tail]
-        if max_tail_chars is not None and len(text) > max_tail_chars:
+        if entry is None:
             return None
-        enc = self._rust.encode(text, add_special_tokens=False)
+        head, closing = self._specials if add_special_tokens and self._specials else ([], [])
+        tail = text[entry.cut :]
+        per_id = entry.cut / max(1, entry.n_ids)  # the cached prompt's characters per id
+        return CachedPrefix(
+            ids=[*head, *entry.ids[: entry.n_ids]],
+            tail=tail,
+            closing=list(closing),
+            # A byte-level BPE id covers at least one byte of text.
+            max_tail_ids=len(tail.encode("utf-8", "surrogatepass")) + len(closing),
+            tail_estimate=math.ceil(len(tail) / per_id) + len(closing) if per_id else len(tail),
+        )
+
+    def complete(self, prefix: CachedPrefix) -> list[int]:
+        """All ids of a prompt found by ``cached_prefix``: only its tail is encoded, with
+        the GIL released (``encode_batch``), so that off the loop it blocks nobody."""
+        tail = self._rust.encode_batch([prefix.tail], add_special_tokens=False)[0].ids
+        return [*prefix.ids, *tail, *prefix.closing]
+
+    def encode_new(self, text: str, add_special_tokens: bool) -> list[int]:
+        """A full encode (GIL released) that feeds the reuse cache for later prompts."""
+        if not self.reuse_enabled or (add_special_tokens and self._specials is None):
+            enc = self._rust.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+            return list(enc.ids)
+        enc = self._rust.encode_batch([text], add_special_tokens=False)[0]
         ids = enc.ids
+        hashes = chunk_hashes(text)
         if hashes:
             self._cache.add(hashes, enc, array("I", ids), len(text))
+        if add_special_tokens and self._specials is not None:
+            head, closing = self._specials
+            return [*head, *ids, *closing]
         return list(ids)
+
+    async def encode_async(
+        self, text: str, add_special_tokens: bool, inline_chars: int
+    ) -> list[int]:
+        """``encode``, on the event loop when at most ``inline_chars`` need encoding (a
+        thread hop costs more than that), else in the tokenizer's threads."""
+        prefix = self.cached_prefix(text, add_special_tokens)
+        if prefix is not None:
+            if len(prefix.tail) <= inline_chars:
+                return self.complete(prefix)
+            ids: list[int] = await self.run(self.complete, prefix)
+            return ids
+        if len(text) <= inline_chars:
+            return self.encode_new(text, add_special_tokens)
+        ids = await self.run(self.encode_new, text, add_special_tokens)
+        return ids
 
     def render_chat(self, messages: Sequence[Any], opts: ChatOptions) -> str:
         msgs = normalise_messages(messages)

@@ -726,10 +726,7 @@ class SimEngine:
     # ---- tokenization -------------------------------------------------------------------
 
     async def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids = self.tok.encode_reusing(text, add_special_tokens, INLINE_TOKENIZE_CHARS)
-        if ids is None:
-            ids = await self.tok.run(self.tok.encode, text, add_special_tokens)
-        return ids
+        return await self.tok.encode_async(text, add_special_tokens, INLINE_TOKENIZE_CHARS)
 
     async def encode_chat(self, messages: list[Any], opts: dict[str, Any]) -> list[int]:
         options = _chat_options(opts)

@@ -1,0 +1,183 @@
+"""A long new tail after a cached prefix is encoded after forwarding (router/pipeline.py).
+
+The decision is taken on the prefix's exact ids; these tests check that the
+prefix really is exact, that the context check stays exact through the tail's
+upper bound, and that everything done with the whole prompt afterwards (tentative
+residency marks, the prompt-token counter) gets the same ids and keys as a full
+encode would have given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from kvplane.router.app import build_router
+from kvplane.router.blockkeys import block_keys
+from kvplane.router.config import RouterConfig
+from kvplane.router.errors import APIError
+from kvplane.router.pipeline import DEFER_TAIL_CHARS
+from kvplane.router.request import parse_request
+from kvplane.router.tiers import Tier
+from kvplane.router.tokens import PromptTokenizer
+from support.fake_engine import FakeEngine, serve_engines
+from support.router_server import RunningRouter, deepseek_tokenizer_dir, serve_router
+
+WORDS = ["alpha ", "beta ", "gamma\n", "42 ", "δέλτα ", "日本語 ", "don't ", "x.y ", "🙂 ", "  "]
+BLOCK = 32
+LIMIT = 8192
+
+
+def text(rng: random.Random, n_words: int) -> str:
+    return "".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return deepseek_tokenizer_dir(tmp_path_factory.mktemp("tok"))
+
+
+def test_cached_prefix_is_exact_and_the_tail_bound_holds(tokenizer_dir: Path) -> None:
+    tok = PromptTokenizer(tokenizer_dir)
+    full = tok.hf.backend_tokenizer
+    rng = random.Random(11)
+    found = 0
+    for _ in range(60):
+        root = text(rng, rng.randint(300, 900))
+        tok.encode(root, True)
+        follow = root[: rng.randint(len(root) // 2, len(root))] + text(rng, rng.randint(0, 400))
+        for special in (True, False):
+            want = list(full.encode(follow, add_special_tokens=special).ids)
+            prefix = tok.cached_prefix(follow, special)
+            if prefix is None:
+                continue
+            found += 1
+            assert want[: len(prefix.ids)] == prefix.ids
+            assert len(prefix.ids) + prefix.max_tail_ids >= len(want)
+            assert tok.complete(prefix) == want
+    assert found > 60, "the cache must have been hit for this to prove anything"
+
+
+def config(tok: Path, engines: list[FakeEngine], limit: int = LIMIT) -> RouterConfig:
+    return RouterConfig.model_validate(
+        {
+            "model": {
+                "name": "tiny",
+                "tokenizer": str(tok),
+                "block_size": BLOCK,
+                "max_model_len": limit,
+            },
+            "backends": [{"name": e.name, "url": e.url} for e in engines],
+            "scrape_interval_s": 0.2,
+            "cost": {"tentative_ttl_s": 60},
+        }
+    )
+
+
+def body(prompt: str) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1}).encode()
+
+
+def root_and_follow_up(seed: int, words: int) -> tuple[str, str]:
+    """A prompt and a follow-up that repeats 90% of it and adds a tail long enough to defer."""
+    rng = random.Random(seed)
+    root = text(rng, words)
+    follow = root[: int(len(root) * 0.9)] + text(rng, 600)
+    assert len(follow) - int(len(root) * 0.9) > DEFER_TAIL_CHARS
+    return root, follow
+
+
+async def test_deferred_prompt_is_the_exact_prefix_then_the_exact_whole(
+    tokenizer_dir: Path,
+) -> None:
+    router = build_router(config(tokenizer_dir, [FakeEngine("e0", port=1)]))
+    pipe = router.pipeline
+    full = router.tokenizer.hf.backend_tokenizer
+    root, follow = root_and_follow_up(5, 2500)
+    ids = list(full.encode(follow, add_special_tokens=True).ids)
+    keys = block_keys(ids, BLOCK, pipe.root)
+    assert (await pipe.prompt(parse_request(body(root), "completions"))).rest is None
+
+    prompt = await pipe.prompt(parse_request(body(follow), "completions"), defer_tail=True)
+    assert prompt.rest is not None
+    assert prompt.tokens == ids[: len(prompt.tokens)] and len(prompt.tokens) > len(ids) // 2
+    assert prompt.keys == keys[: len(prompt.keys)] == keys[: len(prompt.tokens) // BLOCK]
+    assert abs(prompt.n_tokens - len(ids)) < 0.25 * (len(ids) - len(prompt.tokens))
+    assert await prompt.rest == (ids, keys)
+    assert prompt.whole() == (ids, keys)
+
+    # Not deferred when the caller wants the whole prompt up front.
+    again = await pipe.prompt(parse_request(body(follow), "completions"))
+    assert again.rest is None and (again.tokens, again.keys) == (ids, keys)
+    router.tokenizer.close()
+
+
+async def test_a_deferred_tail_cannot_slip_past_the_context_limit(tokenizer_dir: Path) -> None:
+    root, follow = root_and_follow_up(6, 3000)
+    full = PromptTokenizer(tokenizer_dir).hf.backend_tokenizer
+    n_root = len(full.encode(root).ids)
+    n_follow = len(full.encode(follow).ids)
+    limit = (n_root + n_follow) // 2  # the root fits, the follow-up does not
+    router = build_router(config(tokenizer_dir, [FakeEngine("e0", port=1)], limit))
+    pipe = router.pipeline
+    await pipe.prompt(parse_request(body(root), "completions"))
+    with pytest.raises(APIError) as err:
+        await pipe.prompt(parse_request(body(follow), "completions"), defer_tail=True)
+    assert err.value.status == 400 and f"has {n_follow} input tokens" in err.value.message
+    router.tokenizer.close()
+
+
+@pytest.fixture
+def served(tokenizer_dir: Path) -> Iterator[RunningRouter]:
+    engines = FakeEngine("e0"), FakeEngine("e1"), FakeEngine("e2")
+    with serve_engines(*engines) as running, serve_router(config(tokenizer_dir, running)) as r:
+        yield r
+
+
+def prompt_tokens_counted(router: RunningRouter) -> float:
+    metrics = httpx.get(f"{router.url}/metrics").text
+    lines = [
+        ln for ln in metrics.splitlines() if ln.startswith("kvplane_router_prompt_tokens_total")
+    ]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
+def test_follow_up_lands_with_its_prefix_and_its_whole_prompt_is_marked(
+    served: RunningRouter, tokenizer_dir: Path
+) -> None:
+    root, follow = root_and_follow_up(7, 1500)
+    full = PromptTokenizer(tokenizer_dir).hf.backend_tokenizer
+    n_root = len(full.encode(root).ids)
+    ids = list(full.encode(follow).ids)
+    keys = block_keys(ids, BLOCK, served.router.pipeline.root)
+
+    first = httpx.post(f"{served.url}/v1/completions", content=body(root))
+    assert first.status_code == 200
+    pod = first.headers["x-kvplane-pod"]
+    second = httpx.post(f"{served.url}/v1/completions", content=body(follow))
+    assert second.status_code == 200
+    assert second.headers["x-kvplane-pod"] == pod
+    assert int(second.headers["x-kvplane-predicted-cached-tokens"]) > len(ids) // 2
+    if "x-kvplane-prompt-tokens" in second.headers:  # absent while the tail was encoding
+        assert int(second.headers["x-kvplane-prompt-tokens"]) == len(ids)
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        counted = prompt_tokens_counted(served)
+        marked = held(served, keys, pod)
+        if counted == n_root + len(ids) and marked == len(keys):
+            break
+        time.sleep(0.05)
+    assert (counted, marked) == (n_root + len(ids), len(keys))
+
+
+def held(router: RunningRouter, keys: list[int], pod: str) -> int:
+    """HBM blocks of ``keys`` the router's in-memory index credits to ``pod``."""
+    matches = asyncio.run(router.router.index.lookup(keys, [pod]))
+    return matches.get(pod, {}).get(Tier.HBM, 0)
