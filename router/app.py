@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +172,11 @@ def create_app(
             await asyncio.sleep(0.01)
         await scraper.scrape_once()
         scraper.start()
+        # What start-up built (tokenizer, templates, models, imports) lives as long as
+        # the process: out of the collector's sight, a full collection costs little
+        # instead of tens of ms in some request's path.
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
@@ -360,13 +366,25 @@ async def _forward(
     lv = tuple(m.labels.values())
     _child(router, m.decisions, *lv, d.reason, d.pod).inc()
     prompt_tokens = _child(router, m.prompt_tokens, *lv)
+    prompt = routed.prompt
+    served: list[str] = []  # the pod that answered
 
-    def count(tokens: list[int], _keys: list[int]) -> None:
+    def mark(pod: str, keys: list[int]) -> None:
+        """The pod will hold these blocks until its events say otherwise."""
+        if keys:
+            ttl = router.config.cost.tentative_ttl_s
+            task = asyncio.create_task(router.index.mark_tentative(pod, keys, ttl))
+            task.add_done_callback(_log_task_error)
+
+    def whole(tokens: Sequence[int], keys: list[int]) -> None:
         prompt_tokens.inc(len(tokens))
         router.pool.observe_prompt(len(tokens))
+        if prompt.partial and served:  # the tail's blocks, now that they have keys
+            mark(served[0], keys[len(prompt.keys) :])
 
-    routed.prompt.when_whole(count)
-    n = routed.prompt.n_tokens  # an estimate while a deferred tail is encoded
+    if not prompt.partial:
+        whole(prompt.tokens, prompt.keys)
+    n = prompt.n_tokens  # an estimate while the tail of a partial prompt is not encoded
     uncached = {p: n - t.cached_tokens for p, t in d.terms.items()} or dict.fromkeys(d.ranked, n)
     predicted = d.terms[d.pod].cached_tokens if d.pod in d.terms else None
 
@@ -376,32 +394,31 @@ async def _forward(
             m.predicted_cached.labels(**m.labels).inc(predicted)
 
     def headers_for(pod: str, attempts: int) -> dict[str, str]:
-        # The pod will hold the prompt's blocks until its events say otherwise; only
-        # the blocks it does not already hold need a mark (a shared prefix: a few).
+        served.append(pod)
+        # only the blocks the pod does not hold already need a mark (a shared prefix: few)
         held = routed.matches.get(pod, {}).get(Tier.HBM, 0) if routed.matches else 0
-
-        def mark(_tokens: list[int], keys: list[int]) -> None:
-            if len(keys) > held:
-                ttl = router.config.cost.tentative_ttl_s
-                task = asyncio.create_task(router.index.mark_tentative(pod, keys[held:], ttl))
-                task.add_done_callback(_log_task_error)
-
-        routed.prompt.when_whole(mark)
+        mark(pod, prompt.keys[held:])
         return _headers(routed, request_id, pod, attempts)
 
     _child(router, m.added, *lv).observe(time.perf_counter() - received)
-    return await router.proxy.send(
-        path.encode(),
-        raw,
-        lines,
-        d.ranked,
-        uncached,
-        req.stream,
-        headers_for,
-        on_reported,
-        receive,
-        send,
-    )
+    try:
+        return await router.proxy.send(
+            path.encode(),
+            raw,
+            lines,
+            d.ranked,
+            uncached,
+            req.stream,
+            headers_for,
+            on_reported,
+            receive,
+            send,
+        )
+    finally:
+        if prompt.partial:
+            # A partial prompt's tail is encoded once the answer is out: off the
+            # request's path, and before a follow-up of this conversation can come.
+            prompt.when_whole(whole)
 
 
 def _log_task_error(task: asyncio.Task[None]) -> None:

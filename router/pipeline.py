@@ -10,7 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
@@ -38,6 +39,8 @@ INLINE_TAIL_CHARS = 4096
 # A new tail longer than this after a cached prefix (~0.7 ms of encoding) is encoded
 # after forwarding when the caller allows it.
 DEFER_TAIL_CHARS = 1024
+# Cached prompts whose block keys are kept for the prefixes later prompts cut from them.
+SOURCE_KEYS_MEMO = 1024
 
 log = logging.getLogger("kvplane.router")
 
@@ -53,6 +56,7 @@ class IndexGuard:
         self.index = index
         self._timeout = timeout_s
         self._metrics = metrics
+        self._lookup_seconds = metrics.index_lookup.labels(**metrics.labels)
         self._open_until = 0.0
         self._backoff = 0.25
 
@@ -65,54 +69,77 @@ class IndexGuard:
             return None
         start = time.perf_counter()
         try:
-            result = await asyncio.wait_for(self.index.lookup(keys, pods), self._timeout)
+            if self.index.in_process:
+                result = await self.index.lookup(keys, pods)
+            else:
+                result = await asyncio.wait_for(self.index.lookup(keys, pods), self._timeout)
         except Exception as exc:  # timeout, connection refused, script error
             self._metrics.index_errors.labels(**self._metrics.labels).inc()
             self._open_until = time.monotonic() + self._backoff
             log.warning("index lookup failed (%s); sticky routing for %.2fs", exc, self._backoff)
             self._backoff = min(self._backoff * 2, 5.0)
             return None
-        self._metrics.index_lookup.labels(**self._metrics.labels).observe(
-            time.perf_counter() - start
-        )
+        self._lookup_seconds.observe(time.perf_counter() - start)
         self._backoff = 0.25
         return result
 
 
-@dataclass(frozen=True, slots=True)
+Whole = tuple[Sequence[int], list[int]]  # a prompt's token ids and block keys
+
+
+@dataclass(slots=True)
 class Prompt:
     """A prompt as the router sees it: token ids and their block keys.
 
-    With ``rest`` set, ``tokens`` and ``keys`` cover only the prompt's exactly known
-    prefix (from the reuse cache), ``n_tokens`` is an estimate, and ``rest`` resolves
-    to the whole prompt's (tokens, keys) once its new tail is encoded."""
+    A *partial* prompt (``complete`` set) has only its exactly known prefix (from the
+    reuse cache) in ``tokens`` and ``keys`` and an estimate in ``n_tokens``; its tail
+    is encoded by ``complete``, which ``when_whole`` starts the first time it is
+    asked (the router asks once the answer is on its way, so that the encode does
+    not compete with the request's own path for the CPU)."""
 
-    tokens: list[int]
+    tokens: Sequence[int]  # a list, or an array of a partial prompt's prefix
     keys: list[int]
     n_tokens: int
-    rest: asyncio.Future[tuple[list[int], list[int]]] | None = None
+    complete: Callable[[], Awaitable[Whole]] | None = None
+    _rest: asyncio.Future[Whole] | None = None
 
-    def whole(self) -> tuple[list[int], list[int]] | None:
-        """(tokens, keys) of the whole prompt, None while its tail is being encoded."""
-        if self.rest is None:
+    @property
+    def partial(self) -> bool:
+        return self.complete is not None
+
+    def whole(self) -> Whole | None:
+        """(tokens, keys) of the whole prompt; None while its tail is not encoded."""
+        if self.complete is None:
             return self.tokens, self.keys
-        if self.rest.done() and not self.rest.cancelled() and self.rest.exception() is None:
-            return self.rest.result()
+        rest = self._rest
+        if rest is not None and rest.done() and not rest.cancelled() and not rest.exception():
+            return rest.result()
         return None
 
-    def when_whole(self, fn: Callable[[list[int], list[int]], None]) -> None:
-        """Call ``fn(tokens, keys)`` of the whole prompt: now, or when its tail is encoded."""
-        if self.rest is None:
+    def rest(self) -> asyncio.Future[Whole]:
+        """The whole prompt, encoding its tail now if nobody asked before."""
+        if self._rest is None:
+            if self.complete is None:
+                done: asyncio.Future[Whole] = asyncio.get_running_loop().create_future()
+                done.set_result((self.tokens, self.keys))
+                self._rest = done
+            else:
+                self._rest = asyncio.ensure_future(self.complete())
+        return self._rest
+
+    def when_whole(self, fn: Callable[[Sequence[int], list[int]], None]) -> None:
+        """Call ``fn(tokens, keys)`` of the whole prompt: now, or once its tail is encoded."""
+        if self.complete is None:
             fn(self.tokens, self.keys)
             return
 
-        def done(f: asyncio.Future[tuple[list[int], list[int]]]) -> None:
+        def done(f: asyncio.Future[Whole]) -> None:
             if f.cancelled() or f.exception() is not None:
                 log.warning("tail tokenization failed: %r", f.cancelled() or f.exception())
                 return
             fn(*f.result())
 
-        self.rest.add_done_callback(done)
+        self.rest().add_done_callback(done)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +149,7 @@ class Routed:
     matches: PrefixMatches | None
 
     @property
-    def tokens(self) -> list[int]:
+    def tokens(self) -> Sequence[int]:
         return self.prompt.tokens
 
     @property
@@ -147,6 +174,9 @@ class RoutingPipeline:
         self.metrics = metrics
         self.root = generation_root(generation)
         self._rr = RoundRobin()
+        self._tokenize_seconds = metrics.tokenize.labels(**metrics.labels)  # labels() costs µs
+        # id(cached prompt ids), opening ids -> (those ids, kept so the id stays theirs; keys)
+        self._source_keys: OrderedDict[tuple[int, int], tuple[object, list[int]]] = OrderedDict()
 
     def _source(self, req: ParsedRequest) -> tuple[str | list[int], bool]:
         """The text to encode (a chat rendered through its template) or given token ids."""
@@ -154,6 +184,21 @@ class RoutingPipeline:
             assert req.messages is not None and req.chat is not None
             return self.tokenizer.render_chat(req.messages, req.chat), req.chat.add_special_tokens
         return prompt_source(req.prompt), req.add_special_tokens
+
+    def _prefix_keys(self, prefix: CachedPrefix) -> list[int]:
+        """Block keys of a cached prefix, sliced from those of the whole cached prompt it
+        was cut from (computed once per cached prompt: later prompts repeat it)."""
+        memo_key = (id(prefix.source), prefix.opening)
+        hit = self._source_keys.get(memo_key)
+        if hit is None:
+            whole = [*prefix.ids[: prefix.opening], *prefix.source.tolist()]
+            hit = (prefix.source, block_keys(whole, self.config.model.block_size, self.root))
+            self._source_keys[memo_key] = hit
+            if len(self._source_keys) > SOURCE_KEYS_MEMO:
+                self._source_keys.popitem(last=False)
+        else:
+            self._source_keys.move_to_end(memo_key)
+        return hit[1][: len(prefix.ids) // self.config.model.block_size]
 
     def _keys(self, tokens: list[int]) -> Prompt:
         keys = block_keys(tokens, self.config.model.block_size, self.root)
@@ -185,13 +230,16 @@ class RoutingPipeline:
             tokens, keys = await self.tokenizer.run(self._new_and_keys, text, special)
             return Prompt(tokens, keys, len(tokens))
         fits = len(prefix.ids) + prefix.max_tail_ids < self.config.model.max_model_len
+        keys = self._prefix_keys(prefix)
         if defer_tail and fits and len(prefix.tail) > DEFER_TAIL_CHARS:
-            keys = block_keys(prefix.ids, self.config.model.block_size, self.root)
-            rest = asyncio.ensure_future(self.tokenizer.run(self._complete_and_keys, prefix, keys))
-            return Prompt(prefix.ids, keys, len(prefix.ids) + prefix.tail_estimate, rest)
+
+            def complete() -> Awaitable[tuple[list[int], list[int]]]:
+                return self.tokenizer.run(self._complete_and_keys, prefix, keys)
+
+            return Prompt(prefix.ids, keys, len(prefix.ids) + prefix.tail_estimate, complete)
         if len(prefix.tail) <= INLINE_TAIL_CHARS:
-            return self._keys(self.tokenizer.complete(prefix))
-        keys = block_keys(prefix.ids, self.config.model.block_size, self.root)
+            tokens, keys = self._complete_and_keys(prefix, keys)
+            return Prompt(tokens, keys, len(tokens))
         tokens, keys = await self.tokenizer.run(self._complete_and_keys, prefix, keys)
         return Prompt(tokens, keys, len(tokens))
 
@@ -207,7 +255,7 @@ class RoutingPipeline:
         except ChatFormatError as exc:
             param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from exc
-        self.metrics.tokenize.labels(**self.metrics.labels).observe(time.perf_counter() - start)
+        self._tokenize_seconds.observe(time.perf_counter() - start)
         # As vLLM: a prompt that leaves no room for one output token is a 400; a larger
         # max_tokens is cut by the engine to what the context leaves, not refused. (A
         # deferred tail is only taken when even its longest encoding fits.)
@@ -224,7 +272,8 @@ class RoutingPipeline:
     async def tokens_and_keys(self, req: ParsedRequest) -> tuple[list[int], list[int]]:
         """The whole prompt's tokens and block keys."""
         prompt = await self.prompt(req)
-        return prompt.tokens, prompt.keys
+        tokens = prompt.tokens  # a list: only a partial prompt holds an array
+        return tokens if isinstance(tokens, list) else list(tokens), prompt.keys
 
     async def route(
         self, req: ParsedRequest, exclude: frozenset[str] = frozenset(), defer_tail: bool = False

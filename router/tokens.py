@@ -97,8 +97,10 @@ class CachedPrefix:
     A router can decide on these ids (the tail, new text, cannot be resident anywhere
     this cache would not know of) and encode the tail after forwarding."""
 
-    ids: list[int]  # opening special ids + the cached prefix's ids
+    ids: array[int]  # opening special ids + the cached prefix's ids (an array: no boxing)
     tail: str  # the text after them
+    source: array[int]  # ids of the whole cached prompt the prefix was cut from
+    opening: int  # how many of ``ids`` are opening special ids
     closing: list[int]  # special ids the post-processor appends
     max_tail_ids: int  # no encoding of the tail (with closing ids) has more ids
     tail_estimate: int  # ids the tail most likely has (the cached prompt's chars per id)
@@ -158,8 +160,10 @@ class PromptTokenizer:
         tail = text[entry.cut :]
         per_id = entry.cut / max(1, entry.n_ids)  # the cached prompt's characters per id
         return CachedPrefix(
-            ids=[*head, *entry.ids[: entry.n_ids]],
+            ids=array("I", head) + entry.ids[: entry.n_ids],
             tail=tail,
+            source=entry.ids,
+            opening=len(head),
             closing=list(closing),
             # A byte-level BPE id covers at least one byte of text.
             max_tail_ids=len(tail.encode("utf-8", "surrogatepass")) + len(closing),
@@ -170,7 +174,7 @@ class PromptTokenizer:
         """All ids of a prompt found by ``cached_prefix``: only its tail is encoded, with
         the GIL released (``encode_batch``), so that off the loop it blocks nobody."""
         tail = self._rust.encode_batch([prefix.tail], add_special_tokens=False)[0].ids
-        return [*prefix.ids, *tail, *prefix.closing]
+        return [*prefix.ids.tolist(), *tail, *prefix.closing]
 
     def encode_new(self, text: str, add_special_tokens: bool) -> list[int]:
         """A full encode (GIL released) that feeds the reuse cache for later prompts."""

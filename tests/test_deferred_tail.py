@@ -58,7 +58,7 @@ def test_cached_prefix_is_exact_and_the_tail_bound_holds(tokenizer_dir: Path) ->
             if prefix is None:
                 continue
             found += 1
-            assert want[: len(prefix.ids)] == prefix.ids
+            assert want[: len(prefix.ids)] == prefix.ids.tolist()
             assert len(prefix.ids) + prefix.max_tail_ids >= len(want)
             assert tok.complete(prefix) == want
     assert found > 60, "the cache must have been hit for this to prove anything"
@@ -102,19 +102,19 @@ async def test_deferred_prompt_is_the_exact_prefix_then_the_exact_whole(
     root, follow = root_and_follow_up(5, 2500)
     ids = list(full.encode(follow, add_special_tokens=True).ids)
     keys = block_keys(ids, BLOCK, pipe.root)
-    assert (await pipe.prompt(parse_request(body(root), "completions"))).rest is None
+    assert not (await pipe.prompt(parse_request(body(root), "completions"))).partial
 
     prompt = await pipe.prompt(parse_request(body(follow), "completions"), defer_tail=True)
-    assert prompt.rest is not None
-    assert prompt.tokens == ids[: len(prompt.tokens)] and len(prompt.tokens) > len(ids) // 2
+    assert prompt.partial and prompt.whole() is None
+    assert list(prompt.tokens) == ids[: len(prompt.tokens)] and len(prompt.tokens) > len(ids) // 2
     assert prompt.keys == keys[: len(prompt.keys)] == keys[: len(prompt.tokens) // BLOCK]
     assert abs(prompt.n_tokens - len(ids)) < 0.25 * (len(ids) - len(prompt.tokens))
-    assert await prompt.rest == (ids, keys)
+    assert await prompt.rest() == (ids, keys)
     assert prompt.whole() == (ids, keys)
 
     # Not deferred when the caller wants the whole prompt up front.
     again = await pipe.prompt(parse_request(body(follow), "completions"))
-    assert again.rest is None and (again.tokens, again.keys) == (ids, keys)
+    assert not again.partial and (again.tokens, again.keys) == (ids, keys)
     router.tokenizer.close()
 
 

@@ -21,6 +21,10 @@ PrefixMatches = dict[str, dict[Tier, int]]
 
 
 class ResidencyIndex(Protocol):
+    # Lookups run in this process and never wait on I/O: no timeout guard needed
+    # (wrapping one in asyncio.wait_for costs a task and a loop turn per request).
+    in_process: bool
+
     async def begin_incarnation(self, pod: str, incarnation: str) -> None:
         """A new event stream for ``pod``: everything older stops counting."""
 

@@ -78,6 +78,8 @@ def prefix_from_running_and(running: Sequence[int], slot: int) -> dict[Tier, int
 class MemoryIndex:
     """ResidencyIndex held in this process (see ``kvplane.router.index.base``)."""
 
+    in_process = True
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._pods: dict[str, _PodState] = {}

@@ -133,6 +133,8 @@ def _text(value: bytes | str | None) -> str | None:
 class RedisIndex:
     """ResidencyIndex on Redis (redis-py asyncio, hiredis parser when installed)."""
 
+    in_process = False
+
     def __init__(
         self, url: str, generation: str, timeout_s: float = 0.5, password: str | None = None
     ) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kvplane.router.choice import over_cap
 from kvplane.router.config import CostParams, PDSpec
 from kvplane.router.cost import CostTerms, PodLoad, predict
-from kvplane.router.pd.cost import OptionCost, aggregated_cost, pair_cost
+from kvplane.router.pd.cost import OptionCost, aggregated_cost, pair_cost, running_requests
 from kvplane.router.pd.topology import link_class, link_cost
 from kvplane.router.tiers import Tier
 
@@ -128,6 +128,7 @@ def choose_pd(
                 params,
                 pd,
                 kv_bytes_per_token,
+                running_requests(prefill_loads[p]),
             )
     options = list(pairs.values())
     if can_aggregate:

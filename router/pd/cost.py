@@ -11,8 +11,9 @@ arrived::
 Aggregated on the decode pod it is the ordinary cost (``kvplane.router.cost``).
 Both options are then scored for the choice, which adds what TTFT does not show:
 
-- interference (aggregated only): the prefill stalls every request decoding on
-  that pod, so recompute ms x running requests x ``interference_weight``;
+- interference: the prefill stalls every request decoding on the pod that prefills
+  (the decode pod when aggregated; a ``both`` pod prefilling for a pair), so
+  recompute ms x its running requests x ``interference_weight``;
 - balance (both, per decode pod): decode is bandwidth- and latency-bound, so a
   pod's running requests and KV usage are penalised and new work spreads;
 - backlog (both): recomputed tokens also delay every request queued behind them on
@@ -92,10 +93,12 @@ def pair_cost(
     params: CostParams,
     pd: PDSpec,
     kv_bytes_per_token: int,
+    prefill_running: float = 0.0,
 ) -> OptionCost:
     """Prefill on ``prefill_terms.pod``, decode on ``decode``. The decode pod pulls
     only the blocks it does not hold already (vLLM counts its local prefix hit
-    first, then loads the rest remotely)."""
+    first, then loads the rest remotely). ``prefill_running``: requests decoding on
+    the prefill pod (a ``both`` pod), which its prefill stalls."""
     tokens = max(0, prompt_tokens - max(0, decode_resident_tokens))
     return OptionCost(
         prefill=prefill_terms.pod,
@@ -106,6 +109,7 @@ def pair_cost(
         transfer_bytes=tokens * kv_bytes_per_token,
         transfer_ms=transfer_ms(tokens, kv_bytes_per_token, link),
         decode_ms=decode_step_ms(decode_load, params),
+        interference_ms=prefill_terms.recompute_ms * prefill_running * pd.interference_weight,
         balance_ms=balance_ms(decode_load, pd),
         backlog_ms=backlog_ms(prefill_terms, params),
     )

@@ -90,6 +90,12 @@ class Served:
     decode_attempts: int
 
 
+def serves_both_ways(connector: PDConnector) -> bool:
+    """A ``both`` pod also prefills for others: a NIXL engine is a KV producer and
+    consumer at once (``kv_both``), so any pod can take either leg of a handoff."""
+    return connector is PDConnector.NIXL
+
+
 def can_aggregate(connector: PDConnector) -> bool:
     """A vLLM decode pod prefills a plain request itself; an SGLang decode-mode
     server only takes requests whose KV a prefill server sends."""
@@ -148,9 +154,13 @@ class PDService:
         """Healthy (prefill, decode) pods: ``prefill`` role, and ``decode`` or ``both``."""
         prefill: list[str] = []
         decode: list[str] = []
+        flexible = serves_both_ways(self.pd.connector)
         for name in self.pool.healthy():
             role = self.pool.states[name].backend.role
-            (prefill if role is BackendRole.PREFILL else decode).append(name)
+            if role is not BackendRole.DECODE and (role is BackendRole.PREFILL or flexible):
+                prefill.append(name)
+            if role is not BackendRole.PREFILL:
+                decode.append(name)
         return prefill, decode
 
     async def route(self, req: ParsedRequest) -> PDRouted:
