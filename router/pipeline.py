@@ -37,8 +37,11 @@ from kvplane.router.tokens import CachedPrefix, ChatFormatError, PromptTokenizer
 # machine, where the thread then waits for the GIL.
 INLINE_TAIL_CHARS = 4096
 # A new tail longer than this after a cached prefix (~0.7 ms of encoding) is encoded
-# after forwarding when the caller allows it.
+# after forwarding when the caller allows it, if it is at most this share of the
+# prompt: text this router never saw may still be resident (another router replica
+# sent it), so the prefix decided on must be most of the prompt.
 DEFER_TAIL_CHARS = 1024
+DEFER_MAX_TAIL_SHARE = 0.25
 # Cached prompts whose block keys are kept for the prefixes later prompts cut from them.
 SOURCE_KEYS_MEMO = 1024
 
@@ -219,10 +222,11 @@ class RoutingPipeline:
 
     async def _encode(self, text: str, special: bool, defer_tail: bool) -> Prompt:
         """Encoding runs in the tokenizer's threads unless at most ``INLINE_TAIL_CHARS``
-        need it. With ``defer_tail``, a long new tail after a cached prefix is encoded
-        while the request is already on its way: the decision needs only the prefix
-        (new text cannot be resident anywhere this router's cache would not know of),
-        and the context check only an upper bound on the tail's ids."""
+        need it. With ``defer_tail``, a long new tail after a cached prefix that covers
+        most of the prompt is encoded once the answer is out: the decision needs only the
+        prefix (text this router has sent before is in its cache, whole prompts
+        included, so new text is resident nowhere it knows of), and the context check
+        only an upper bound on the tail's ids."""
         prefix = self.tokenizer.cached_prefix(text, special)
         if prefix is None:
             if len(text) <= INLINE_TAIL_CHARS:
@@ -231,7 +235,8 @@ class RoutingPipeline:
             return Prompt(tokens, keys, len(tokens))
         fits = len(prefix.ids) + prefix.max_tail_ids < self.config.model.max_model_len
         keys = self._prefix_keys(prefix)
-        if defer_tail and fits and len(prefix.tail) > DEFER_TAIL_CHARS:
+        tail = len(prefix.tail)
+        if defer_tail and fits and DEFER_TAIL_CHARS < tail <= DEFER_MAX_TAIL_SHARE * len(text):
 
             def complete() -> Awaitable[tuple[list[int], list[int]]]:
                 return self.tokenizer.run(self._complete_and_keys, prefix, keys)

@@ -117,24 +117,41 @@ class PrefixTokenCache:
         self.misses += 1
         return None
 
-    def add(self, hashes: list[int], encoding: _Encoding, ids: array[int], text_len: int) -> None:
-        """Record cuts for every chunk of a freshly encoded prompt."""
+    def add(
+        self,
+        hashes: list[int],
+        encoding: _Encoding,
+        ids: array[int],
+        text_len: int,
+        base: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Record cuts for every chunk of a freshly encoded prompt. ``encoding`` may cover
+        only the text from an earlier cut on: ``base`` is that cut (ids before it, its
+        character offset), and ``ids`` the whole prompt's."""
         with self._lock:
-            self._add(hashes, encoding, ids, text_len)
+            self._add(hashes, encoding, ids, text_len, base)
 
-    def _add(self, hashes: list[int], encoding: _Encoding, ids: array[int], text_len: int) -> None:
+    def _add(
+        self,
+        hashes: list[int],
+        encoding: _Encoding,
+        ids: array[int],
+        text_len: int,
+        base: tuple[int, int],
+    ) -> None:
         if not hashes or hashes[-1] in self._entries:
             return
+        base_ids, base_chars = base
         keys: list[int] = []
         for k, h in enumerate(hashes, start=1):
             if h in self._entries:
                 continue
-            limit = k * self._chunk - self._margin
-            cut = _cut_before(encoding, limit, text_len)
+            limit = k * self._chunk - self._margin - base_chars
+            cut = _cut_before(encoding, limit, text_len - base_chars)
             if cut is None:
                 continue
             n_ids, offset = cut
-            self._entries[h] = _Entry(ids, n_ids, offset)
+            self._entries[h] = _Entry(ids, base_ids + n_ids, base_chars + offset)
             keys.append(h)
         if not keys:
             return

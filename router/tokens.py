@@ -101,6 +101,8 @@ class CachedPrefix:
     tail: str  # the text after them
     source: array[int]  # ids of the whole cached prompt the prefix was cut from
     opening: int  # how many of ``ids`` are opening special ids
+    cut: int  # character offset of the tail
+    hashes: list[int]  # the text's chunk hashes, to cache the completed prompt under
     closing: list[int]  # special ids the post-processor appends
     max_tail_ids: int  # no encoding of the tail (with closing ids) has more ids
     tail_estimate: int  # ids the tail most likely has (the cached prompt's chars per id)
@@ -164,6 +166,8 @@ class PromptTokenizer:
             tail=tail,
             source=entry.ids,
             opening=len(head),
+            cut=entry.cut,
+            hashes=hashes,
             closing=list(closing),
             # A byte-level BPE id covers at least one byte of text.
             max_tail_ids=len(tail.encode("utf-8", "surrogatepass")) + len(closing),
@@ -172,8 +176,19 @@ class PromptTokenizer:
 
     def complete(self, prefix: CachedPrefix) -> list[int]:
         """All ids of a prompt found by ``cached_prefix``: only its tail is encoded, with
-        the GIL released (``encode_batch``), so that off the loop it blocks nobody."""
-        tail = self._rust.encode_batch([prefix.tail], add_special_tokens=False)[0].ids
+        the GIL released (``encode_batch``), so that off the loop it blocks nobody. The
+        whole prompt then joins the cache: the next turn of a conversation reuses it all,
+        not just the part this one reused."""
+        enc = self._rust.encode_batch([prefix.tail], add_special_tokens=False)[0]
+        tail = enc.ids
+        body = prefix.ids[prefix.opening :]
+        self._cache.add(
+            prefix.hashes,
+            enc,
+            body + array("I", tail),
+            prefix.cut + len(prefix.tail),
+            (len(body), prefix.cut),
+        )
         return [*prefix.ids.tolist(), *tail, *prefix.closing]
 
     def encode_new(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -88,7 +88,7 @@ def root_and_follow_up(seed: int, words: int) -> tuple[str, str]:
     """A prompt and a follow-up that repeats 90% of it and adds a tail long enough to defer."""
     rng = random.Random(seed)
     root = text(rng, words)
-    follow = root[: int(len(root) * 0.9)] + text(rng, 600)
+    follow = root[: int(len(root) * 0.9)] + text(rng, 300)
     assert len(follow) - int(len(root) * 0.9) > DEFER_TAIL_CHARS
     return root, follow
 
@@ -115,6 +115,14 @@ async def test_deferred_prompt_is_the_exact_prefix_then_the_exact_whole(
     # Not deferred when the caller wants the whole prompt up front.
     again = await pipe.prompt(parse_request(body(follow), "completions"))
     assert not again.partial and (again.tokens, again.keys) == (ids, keys)
+
+    # Nor when the new text is most of the prompt: another router replica may have sent
+    # it, so only a lookup of all of its keys can tell.
+    rng = random.Random(8)
+    mostly_new = root[:DEFER_TAIL_CHARS * 2] + text(rng, 1000)
+    other = await pipe.prompt(parse_request(body(mostly_new), "completions"), defer_tail=True)
+    assert not other.partial
+    assert other.tokens == list(full.encode(mostly_new, add_special_tokens=True).ids)
     router.tokenizer.close()
 
 
@@ -151,7 +159,7 @@ def prompt_tokens_counted(router: RunningRouter) -> float:
 def test_follow_up_lands_with_its_prefix_and_its_whole_prompt_is_marked(
     served: RunningRouter, tokenizer_dir: Path
 ) -> None:
-    root, follow = root_and_follow_up(7, 1500)
+    root, follow = root_and_follow_up(7, 2500)
     full = PromptTokenizer(tokenizer_dir).hf.backend_tokenizer
     n_root = len(full.encode(root).ids)
     ids = list(full.encode(follow).ids)

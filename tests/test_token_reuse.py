@@ -104,3 +104,18 @@ def test_pipelines_that_break_the_argument_are_not_reused(tmp_path: Path) -> Non
     assert not reuse_is_exact(json.dumps(meta))
     unigram = {**spec, "model": {"type": "Unigram"}}
     assert not reuse_is_exact(json.dumps(unigram))
+
+
+def test_a_completed_prompt_joins_the_cache(tok: PromptTokenizer) -> None:
+    """A conversation: each turn extends the last. The next turn's known prefix reaches
+    into what only the previous turn's tail encode saw, and stays exact."""
+    rng = random.Random(17)
+    text = random_text(rng, 900)
+    tok.encode(text, True)
+    for _ in range(6):
+        previous = len(text)
+        text += random_text(rng, 400)
+        prefix = tok.cached_prefix(text, True)
+        assert prefix is not None
+        assert previous - prefix.cut <= 600, (previous, prefix.cut)
+        assert tok.complete(prefix) == full(tok, text, True)
