@@ -119,7 +119,7 @@ async def test_deferred_prompt_is_the_exact_prefix_then_the_exact_whole(
     # Nor when the new text is most of the prompt: another router replica may have sent
     # it, so only a lookup of all of its keys can tell.
     rng = random.Random(8)
-    mostly_new = root[:DEFER_TAIL_CHARS * 2] + text(rng, 1000)
+    mostly_new = root[: DEFER_TAIL_CHARS * 2] + text(rng, 1000)
     other = await pipe.prompt(parse_request(body(mostly_new), "completions"), defer_tail=True)
     assert not other.partial
     assert other.tokens == list(full.encode(mostly_new, add_special_tokens=True).ids)
