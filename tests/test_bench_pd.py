@@ -84,6 +84,10 @@ def test_decision_counts_and_targets() -> None:
     runs = [row("aggregated", 100, 40), row("disaggregated", 120, 10), row("conditional", 104, 20)]
     targets = pd_report.check_targets(runs)
     assert [(t["value"], t["pass"]) for t in targets] == [(1.04, True), (0.5, True)]
+    flex = pd_report.check_targets([*runs, row("conditional-flex", 103, 36)])
+    # TTFT within 5% of aggregated, ITL only 0.9x aggregated's
+    verdicts = [(t["mode"], t["pass"]) for t in flex[2:]]
+    assert verdicts == [("conditional-flex", True), ("conditional-flex", False)]
     assert all(t["trusted"] for t in targets) and pd_report.verdict(targets[0]) == "PASS"
     runs[0]["lag_resyncs"] = pd_report.MAX_RESYNCS + 1  # the machine, not the fleet
     shaky = pd_report.check_targets(runs)
@@ -115,9 +119,12 @@ def test_bench_pd_every_mode_end_to_end(tmp_path: Path) -> None:
         assert r["ttft_p50_ms"] is not None and r["itl_p99_ms"] is not None
         assert set(r["engine_stats"]) == {"e0", "e1"}
         assert sum(s["generation_tokens"] for s in r["engine_stats"].values()) > 0
-    agg, dis, cond, vr = runs
-    assert agg["split"] == "2 both" and dis["split"] == cond["split"] == vr["split"] == "1:1"
+    agg, dis, cond, flex, vr = runs
+    assert agg["split"] == flex["split"] == "2 both"
+    assert dis["split"] == cond["split"] == vr["split"] == "1:1"
     assert {s["role"] for s in agg["engine_stats"].values()} == {"both"}
+    assert {s["role"] for s in flex["engine_stats"].values()} == {"both"}
+    assert sum(flex["decisions"].values()) == 4
     assert agg["transferred_tokens"] == 0 and agg["decisions"] is None
     # always-disaggregated: every prompt (over a block) handed off, KV crossed the link
     assert dis["decisions"] == {"disaggregated": 4} and dis["disaggregated_share"] == 1.0

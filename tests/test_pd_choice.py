@@ -262,3 +262,18 @@ def test_overloaded_pods_rank_last() -> None:
 def test_no_decode_candidate_is_an_error() -> None:
     with pytest.raises(ValueError):
         choose_pd(10, {}, {"p0": IDLE}, {}, {}, P, PD, BS, KV, 1000.0)
+
+
+def test_flexible_pods_are_candidates_for_either_leg_and_stall_what_they_run() -> None:
+    """On a fleet of ``both`` pods (NIXL) every pod may take either leg. A prefill
+    stalls what decodes on the pod that runs it, paired or not, so the new prompt is
+    prefilled where fewest requests decode; a handoff would only add the transfer."""
+    open_gate = PD.model_copy(update={"aggregate_max_uncached_tokens": 1 << 30})
+    loads = {"a": PodLoad(engine_running=20), "b": PodLoad(engine_running=1), "c": IDLE}
+    d = choose_pd(4000, {}, loads, loads, {}, P, open_gate, BS, KV, 1000.0)
+    assert not d.disaggregated and d.decode == "c"
+    pairs = {(o.prefill, o.decode): o for o in d.options if o.prefill is not None}
+    assert set(pairs) == {(p, q) for p in loads for q in loads if p != q}
+    b_to_c = pairs[("b", "c")]
+    assert b_to_c.interference_ms == pytest.approx(b_to_c.prefill_terms.recompute_ms * 1)
+    assert pairs[("c", "a")].interference_ms == 0.0

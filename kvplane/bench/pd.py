@@ -71,7 +71,8 @@ from kvplane.sim.timing import decode_step_ms, prefill_ms
 
 MODES = pd_report.MODES
 PREFILL_HEAVY = pd_report.PREFILL_HEAVY
-KVPLANE_MODES = ("aggregated", "disaggregated", "conditional")
+KVPLANE_MODES = ("aggregated", "disaggregated", "conditional", "conditional-flex")
+FLEX = "conditional-flex"  # every engine `both` over NIXL: the router picks the roles
 
 # Offered load per workload (x its native rate, for 8 engines): the aggregated fleet is
 # loaded (the long-prompt loads use about half its prefill capacity) but not collapsing.
@@ -225,6 +226,8 @@ def with_prefill(split: Split, prefill: int) -> Split:
 # fresh next to request lifetimes. (The recorded run predates the scraper's tolerance of
 # slow scrapes, when a stalled loop could mark every backend unhealthy at once.)
 SCRAPE_INTERVAL_S = 1.0
+# conditional-flex: the largest uncached prompt a pod may prefill for itself (no gate).
+FLEX_AGGREGATE_MAX = 1 << 30
 
 
 def kvplane_pd_config(
@@ -326,6 +329,17 @@ def launch_mode(
             aggregate_max_uncached_tokens=0 if mode == "disaggregated" else None,
             settings=parse_settings(args.conditional_set) if mode == "conditional" else None,
         )
+    elif mode == FLEX:
+        # Any pod may prefill any request itself: the cost (interference included)
+        # decides between that and a handoff, per request.
+        cfg = kvplane_pd_config(
+            model,
+            engines,
+            roles,
+            link_gbps=args.pd_link_gbps,
+            aggregate_max_uncached_tokens=FLEX_AGGREGATE_MAX,
+            settings=parse_settings(args.flex_set),
+        )
     else:
         raise SystemExit(f"bench pd: unknown mode {mode!r} (choose from {MODES})")
     path = rundir / f"{mode}.yaml"
@@ -405,6 +419,10 @@ def run_mode(
     if mode == "aggregated":
         roles = ["both"] * args.engines
         extra: list[str] = []
+    elif mode == FLEX:
+        roles = ["both"] * args.engines
+        extra = ["--kv-role", "both", "--kv-connector", "nixl"]
+        extra += ["--pd-link-gbps", str(args.pd_link_gbps)]
     else:
         roles = ["prefill"] * split.prefill + ["decode"] * split.decode
         extra = ["--prefill", str(split.prefill), "--kv-connector", "nixl"]
@@ -466,7 +484,7 @@ def run_mode(
     )
     row = rec.to_json()
     decisions = pd_report.decision_delta(dec0, dec1) if dec1 else {}
-    if mode == "aggregated":
+    if mode in ("aggregated", FLEX):
         row["split"] = f"{args.engines} both"
     else:
         row["split"] = split.label
@@ -521,6 +539,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--conditional-set",
         default="",
         help="pd settings for the conditional mode, e.g. interference_weight=0.5 (experiments)",
+    )
+    p.add_argument(
+        "--flex-set",
+        default="",
+        help="pd settings for the conditional-flex mode, e.g. interference_weight=0.2",
     )
     p.add_argument("--request-timeout", type=float, default=300.0, help="wall s per request")
     p.add_argument("--tokenizer", default=None)
@@ -635,6 +658,7 @@ def _finish(
             f"{args.vllm_decode_policy}",
             "kvplane scrape interval s": SCRAPE_INTERVAL_S,
             **({"conditional pd": args.conditional_set} if args.conditional_set else {}),
+            **({"conditional-flex pd": args.flex_set} if args.flex_set else {}),
         },
         "machine": machine_info(),
         "versions": versions(("kvplane", "vllm-router", "transformers")),
