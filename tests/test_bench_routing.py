@@ -52,6 +52,19 @@ def test_des_run_accumulates_workloads_in_one_results_file(tmp_path: Path) -> No
     assert all(r["mode"] == "des" and r["errors"] == 0 for r in rows)
     noreuse = [r for r in rows if r["workload"] == "no-reuse"]
     assert all(r["hit_ratio"] == 0 for r in noreuse)
+    # A longer replay of gsp is another slice: its rows replace every gsp row, so that no
+    # comparison mixes slices (one router redone would otherwise sit next to the rest).
+    longer = ["--mode", "des", "--routers", "kvplane", "--limit", "96", "--engines", "2"]
+    longer += ["--out-dir", str(tmp_path), "--no-progress", "--workloads", "gsp"]
+    assert routing.main(longer) == 0
+    rows = _rows(tmp_path, "routing-des")
+    assert [(r["router"], r["requests"]) for r in rows if r["workload"] == "gsp"] == [
+        ("kvplane", 96)
+    ]
+    assert sorted(str(r["router"]) for r in rows if r["workload"] == "no-reuse") == [
+        "kvplane",
+        "kvplane-round_robin",
+    ]
 
 
 def test_targets_compare_kvplane_with_the_best_peer() -> None:

@@ -395,11 +395,22 @@ def _finish(
     def key(r: dict[str, Any]) -> tuple[str, str, float]:
         return (r["workload"], r["router"], float(r.get("load_factor", 1.0)))
 
+    def slice_of(r: dict[str, Any]) -> tuple[Any, ...]:
+        """What makes rows comparable: the same requests at the same offered load."""
+        return (r.get("requests"), round(float(r.get("offered_rps") or 0.0), 3), r.get("mode"))
+
     mine = {key(r) for r in runs}
-    if json_path.exists():  # a day's runs accumulate: rows this run did not redo are kept
-        with contextlib.suppress(ValueError, KeyError):
+    slices = {(r["workload"], float(r.get("load_factor", 1.0))): slice_of(r) for r in runs}
+    if json_path.exists():  # a day's runs accumulate: rows this run did not redo are kept,
+        with contextlib.suppress(ValueError, KeyError):  # unless they replay another slice
             old = json.loads(json_path.read_text())
-            kept = [r for r in old["runs"] if key(r) not in mine]
+            kept = [
+                r
+                for r in old["runs"]
+                if key(r) not in mine
+                and slices.get((r["workload"], float(r.get("load_factor", 1.0))), slice_of(r))
+                == slice_of(r)
+            ]
             doc["runs"] = kept + runs
             doc["targets"] = routing_report.check_targets(doc["runs"])
             doc["earlier_commands"] = [
