@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -42,8 +42,6 @@ INLINE_TAIL_CHARS = 4096
 # sent it), so the prefix decided on must be most of the prompt.
 DEFER_TAIL_CHARS = 1024
 DEFER_MAX_TAIL_SHARE = 0.25
-# Cached prompts whose block keys are kept for the prefixes later prompts cut from them.
-SOURCE_KEYS_MEMO = 1024
 
 log = logging.getLogger("kvplane.router")
 
@@ -120,14 +118,11 @@ class Prompt:
         return None
 
     def rest(self) -> asyncio.Future[Whole]:
-        """The whole prompt, encoding its tail now if nobody asked before."""
+        """The whole partial prompt, encoding its tail now if nobody asked before."""
+        if self.complete is None:
+            raise ValueError("a whole prompt has no rest to encode")
         if self._rest is None:
-            if self.complete is None:
-                done: asyncio.Future[Whole] = asyncio.get_running_loop().create_future()
-                done.set_result((self.tokens, self.keys))
-                self._rest = done
-            else:
-                self._rest = asyncio.ensure_future(self.complete())
+            self._rest = asyncio.ensure_future(self.complete())
         return self._rest
 
     def when_whole(self, fn: Callable[[Sequence[int], list[int]], None]) -> None:
@@ -178,8 +173,9 @@ class RoutingPipeline:
         self.root = generation_root(generation)
         self._rr = RoundRobin()
         self._tokenize_seconds = metrics.tokenize.labels(**metrics.labels)  # labels() costs µs
-        # id(cached prompt ids), opening ids -> (those ids, kept so the id stays theirs; keys)
-        self._source_keys: OrderedDict[tuple[int, int], tuple[object, list[int]]] = OrderedDict()
+        # id(ids of a cached prompt) -> opening special ids -> block keys; an entry goes
+        # when the token cache lets go of those ids (weakref.finalize)
+        self._source_keys: dict[int, dict[int, list[int]]] = {}
 
     def _source(self, req: ParsedRequest) -> tuple[str | list[int], bool]:
         """The text to encode (a chat rendered through its template) or given token ids."""
@@ -190,18 +186,19 @@ class RoutingPipeline:
 
     def _prefix_keys(self, prefix: CachedPrefix) -> list[int]:
         """Block keys of a cached prefix, sliced from those of the whole cached prompt it
-        was cut from (computed once per cached prompt: later prompts repeat it)."""
-        memo_key = (id(prefix.source), prefix.opening)
-        hit = self._source_keys.get(memo_key)
-        if hit is None:
+        was cut from (computed once per cached prompt: later prompts repeat it). They
+        live as long as the token cache keeps that prompt, and no longer."""
+        per_source = self._source_keys.get(id(prefix.source))
+        if per_source is None:
+            per_source = self._source_keys[id(prefix.source)] = {}
+            weakref.finalize(prefix.source, self._source_keys.pop, id(prefix.source), None)
+        keys = per_source.get(prefix.opening)
+        if keys is None:
             whole = [*prefix.ids[: prefix.opening], *prefix.source.tolist()]
-            hit = (prefix.source, block_keys(whole, self.config.model.block_size, self.root))
-            self._source_keys[memo_key] = hit
-            if len(self._source_keys) > SOURCE_KEYS_MEMO:
-                self._source_keys.popitem(last=False)
-        else:
-            self._source_keys.move_to_end(memo_key)
-        return hit[1][: len(prefix.ids) // self.config.model.block_size]
+            keys = per_source[prefix.opening] = block_keys(
+                whole, self.config.model.block_size, self.root
+            )
+        return keys[: len(prefix.ids) // self.config.model.block_size]
 
     def _keys(self, tokens: list[int]) -> Prompt:
         keys = block_keys(tokens, self.config.model.block_size, self.root)

@@ -102,6 +102,13 @@ class PrefixTokenCache:
         self.misses = 0
         self._lock = threading.Lock()
 
+    def clear(self) -> None:
+        """Forget every cached prompt."""
+        with self._lock:
+            self._entries.clear()
+            self._prompts.clear()
+            self._tokens = 0
+
     def find(self, hashes: list[int]) -> _Entry | None:
         """The cut of the longest cached chunk-prefix of a prompt, if any."""
         with self._lock:

@@ -70,6 +70,11 @@ def test_cost_policy_captures_reuse_that_round_robin_loses() -> None:
     assert ours.imbalance is not None and ours.imbalance < 2.0
     assert ours.ttft_p50_ms is not None and rr.ttft_p50_ms is not None
     assert ours.ttft_p50_ms <= rr.ttft_p50_ms
+    # every decision is counted by reason, and the pods the cost chose reused what it said
+    assert sum(ours.extra["decisions"].values()) == len(wl.requests)
+    assert ours.extra["decisions"].get("cache_hit", 0) > 0
+    assert ours.extra["reported_cached_tokens"] > 0
+    assert ours.extra["predicted_cached_tokens"] == ours.extra["reported_cached_tokens"]
 
 
 def test_baselines() -> None:

@@ -67,6 +67,7 @@ from typing import Any
 from kvplane.bench.procs import (
     HOST,
     Proc,
+    bench_main,
     default_tokenizer_dir,
     free_port,
 )
@@ -1308,12 +1309,7 @@ def _run_loop(coro: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvplane.bench.overhead", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    args.argv_echo = list(sys.argv[1:] if argv is None else argv)
-    run(args)
-    return 0
+    return bench_main("python -m kvplane.bench.overhead", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from kvplane.bench import pd_report
 from kvplane.bench.metrics import oracle_hit_ratio, summarize
 from kvplane.bench.procs import (
     HOST,
+    bench_main,
     bench_relative,
     cpu_seconds,
     default_tokenizer_dir,
@@ -691,12 +692,7 @@ def _finish(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvplane bench pd", description=__doc__)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    args.argv_echo = list(sys.argv[1:] if argv is None else argv)
-    run(args)
-    return 0
+    return bench_main("kvplane bench pd", __doc__, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

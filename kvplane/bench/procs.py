@@ -6,6 +6,7 @@ ports, waits for them with bounded polls and stops exactly what it started.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -16,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -256,3 +257,19 @@ def update_markdown(path: Path, section: str, heading: str) -> None:
     tmp = path.with_suffix(".md.tmp")
     tmp.write_text(new)
     tmp.replace(path)
+
+
+def bench_main(
+    prog: str,
+    description: str | None,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], object],
+    argv: Sequence[str] | None,
+) -> int:
+    """A benchmark's command line: parse, keep the arguments for its report, run."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.argv_echo = list(sys.argv[1:] if argv is None else argv)
+    run(args)
+    return 0

@@ -27,6 +27,7 @@ import asyncio
 import heapq
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final
@@ -229,6 +230,8 @@ class _Sim:
         self.heap: list[tuple[float, int, _StepEnd | _Delivery]] = []
         self.seq = 0
         self.router_cpu = 0.0
+        self.decisions: Counter[str] = Counter()  # by reason, as the router's metric
+        self.predicted_cached = 0  # cached tokens the chosen pods' terms predicted
         self.idle_retries = 0
         self.uses_index = self.policy is Policy.COST
 
@@ -299,6 +302,8 @@ class _Sim:
             decision = choose_baseline(self.policy, pods, loads, anchor, self.rr)
         self.pool.observe_prompt(len(tokens))
         terms = decision.terms.get(decision.pod)
+        self.decisions[decision.reason] += 1
+        self.predicted_cached += terms.cached_tokens if terms is not None else 0
         uncached = len(tokens) - (terms.cached_tokens if terms is not None else 0)
         self.pool.note_routed(decision.pod, uncached, now=t)
         attempt = Attempt(self.pool.states[decision.pod], uncached, t)
@@ -471,4 +476,9 @@ def run_des(
     )
     record.extra["block_size"] = prof.block_size
     record.extra["virtual_s"] = round(end - start, 3)
+    # Where reuse goes: decisions by reason, and the chosen pods' predicted cached tokens
+    # next to what the engines reported (equal: nothing lost to eviction or index lag).
+    record.extra["decisions"] = dict(sim.decisions)
+    record.extra["predicted_cached_tokens"] = sim.predicted_cached
+    record.extra["reported_cached_tokens"] = sum(r.cached_tokens or 0 for r in results)
     return record, results
