@@ -135,6 +135,33 @@ async def test_removal_forgets_the_mapping(index: MemoryIndex, ingestor: Ingesto
     assert await prefix(index) == counts(3, 3, 3, 3)
 
 
+async def test_offload_announced_after_the_eviction_is_still_mapped(
+    index: MemoryIndex, ingestor: Ingestor
+) -> None:
+    """vLLM sends a step's GPU events before its offload connector's: blocks evicted and
+    offloaded in one step reach the CPU tier after the removals that emptied them."""
+    await ingestor.apply("p", "i1", batch(stored(0, 6)))
+    evicted = [BlockRemoved([h], "GPU") for h in reversed(EH)]  # tail first
+    self_describing = stored(3, 6, medium="CPU")  # its parent EH[2] left the GPU above
+    placeholder = BlockStored(EH[:3], None, [], 0, medium="CPU")  # hashes only
+    await ingestor.apply("p", "i1", batch(*evicted, self_describing, placeholder))
+    assert ingestor.stats.unmapped == 0
+    assert await prefix(index) == counts(0, 6, 6, 6)
+    assert ingestor.mapped_blocks("p") == 6
+
+
+async def test_dropped_mappings_are_kept_in_a_bounded_lru(index: MemoryIndex) -> None:
+    ingestor = Ingestor(index, generation=GEN, block_size=BS, recent_per_pod=2)
+    await ingestor.apply("p", "i1", batch(stored(0, 6)))
+    await ingestor.apply("p", "i1", batch(*(BlockRemoved([h], "GPU") for h in EH)))
+    assert ingestor.mapped_blocks("p") == 0
+    await ingestor.apply("p", "i1", batch(stored(5, 6, medium="CPU")))  # parent EH[4]: kept
+    await ingestor.apply("p", "i1", batch(stored(3, 4, medium="CPU")))  # parent EH[2]: gone
+    assert ingestor.stats.unmapped == 1
+    assert await prefix(index) == counts(0, 0, 0, 0)  # block 5 alone is no prefix
+    assert ingestor.mapped_blocks("p") == 1
+
+
 async def test_clear_drops_hbm_only(index: MemoryIndex, ingestor: Ingestor) -> None:
     await ingestor.apply("p", "i1", batch(stored(0, 6), stored(0, 3, medium="CPU")))
     await ingestor.apply("p", "i1", batch(AllBlocksCleared()))

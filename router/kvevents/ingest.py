@@ -5,14 +5,18 @@ be compared with the router's keys. Every BlockStored carries the tokens and
 the parent's engine hash, though, so we re-key: the parent's engine hash maps
 to a router key we already computed (or the generation root for a chain
 start), and ``chain_keys`` over the carried tokens gives the router keys of the
-new blocks. The mapping is kept per pod for its current incarnation only, and
-a mapping is forgotten once its block has left every tier.
+new blocks. The mapping is kept per pod for its current incarnation only. Once a
+block has left every tier its mapping is kept a while longer (a bounded LRU):
+an engine sends a batch's GPU events before its offload connector's, so a block
+evicted and offloaded in one step is announced to the CPU tier (by its parent's
+hash, or by its own hash alone) after the GPU removal that emptied its mapping.
 
 Planning (state changes, pure) and writing (index I/O) are separate: a batch
 becomes a short list of coalesced index operations, applied in order.
 """
 
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
@@ -32,6 +36,9 @@ log = logging.getLogger(__name__)
 
 TIER_BIT: Final[dict[Tier, int]] = {tier: 1 << i for i, tier in enumerate(TIER_ORDER)}
 DEFAULT_MAX_BLOCKS_PER_POD: Final = 1_000_000
+# Mappings of blocks that left every tier, kept for later events that name them: one
+# step's evictions (a long prompt's worth of blocks) fit many times over.
+DEFAULT_RECENT_PER_POD: Final = 16_384
 
 OpKind = Literal["store", "remove", "clear"]
 
@@ -70,7 +77,13 @@ class PodChains:
     incarnation: str
     keys: dict[int, int] = field(default_factory=dict)
     tiers: dict[int, int] = field(default_factory=dict)
+    recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # left every tier
     full_logged: bool = False
+
+    def key_of(self, engine_hash: int) -> int | None:
+        """The router key of a block held somewhere, or recently dropped."""
+        key = self.keys.get(engine_hash)
+        return self.recent.get(engine_hash) if key is None else key
 
 
 def _emit(ops: list[IndexOp], kind: OpKind, tier: Tier, keys: Sequence[int]) -> None:
@@ -91,6 +104,7 @@ class Planner:
     max_blocks: int
     stats: IngestStats
     pod: str = ""
+    max_recent: int = DEFAULT_RECENT_PER_POD
 
     def plan(self, chains: PodChains, events: Sequence[KVEvent]) -> list[IndexOp]:
         ops: list[IndexOp] = []
@@ -105,9 +119,6 @@ class Planner:
 
     def _stored(self, chains: PodChains, ev: BlockStored, ops: list[IndexOp]) -> None:
         self.stats.stored += 1
-        if ev.block_size != self.block_size:
-            self.stats.block_size_mismatch += 1
-            return
         if ev.group_idx != 0:
             self.stats.other_group += 1
             return
@@ -115,8 +126,11 @@ class Planner:
             self.stats.namespaced += 1
             return
         tier = tier_of_medium(ev.medium, ev.locality)
-        if not ev.token_ids:
+        if not ev.token_ids:  # vLLM's offload placeholders say block_size 0: no size to check
             self._placeholder(chains, ev, tier, ops)
+            return
+        if ev.block_size != self.block_size:
+            self.stats.block_size_mismatch += 1
             return
         if len(ev.token_ids) != len(ev.block_hashes) * self.block_size:
             self.stats.malformed += 1
@@ -124,7 +138,7 @@ class Planner:
         if ev.parent_block_hash is None:
             parent: int | None = self.root
         else:
-            parent = chains.keys.get(ev.parent_block_hash)
+            parent = chains.key_of(ev.parent_block_hash)
         if parent is None:
             self.stats.unmapped += 1
             return
@@ -140,6 +154,7 @@ class Planner:
             elif old != key:
                 self.stats.remapped += 1
                 self._forget(chains, engine_hash, ops)
+            chains.recent.pop(engine_hash, None)
             chains.keys[engine_hash] = key
             chains.tiers[engine_hash] = chains.tiers.get(engine_hash, 0) | bit
             accepted.append(key)
@@ -152,9 +167,14 @@ class Planner:
         bit = TIER_BIT[tier]
         accepted: list[int] = []
         for engine_hash in ev.block_hashes:
-            key = chains.keys.get(engine_hash)
+            key = chains.key_of(engine_hash)
             if key is None:
                 continue
+            if engine_hash not in chains.keys:  # back from the recently dropped
+                if len(chains.keys) >= self.max_blocks:
+                    self._full(chains, 1)
+                    continue
+                chains.keys[engine_hash] = chains.recent.pop(engine_hash)
             chains.tiers[engine_hash] = chains.tiers.get(engine_hash, 0) | bit
             accepted.append(key)
         if len(accepted) < len(ev.block_hashes):
@@ -179,14 +199,28 @@ class Planner:
             if mask:
                 chains.tiers[engine_hash] = mask
             else:
-                del chains.tiers[engine_hash], chains.keys[engine_hash]
+                del chains.tiers[engine_hash]
+                self._retire(chains, engine_hash, chains.keys.pop(engine_hash))
         _emit(ops, "remove", tier, gone)
+
+    def _retire(self, chains: PodChains, engine_hash: int, key: int) -> None:
+        """Keep a dropped block's mapping for events still to name it (bounded LRU)."""
+        if self.max_recent <= 0:
+            return
+        recent = chains.recent
+        recent[engine_hash] = key
+        recent.move_to_end(engine_hash)
+        while len(recent) > self.max_recent:
+            recent.popitem(last=False)
 
     def _cleared(self, chains: PodChains, ops: list[IndexOp]) -> None:
         """Prefix-cache reset: HBM only, offload tiers keep their blocks."""
         self.stats.cleared += 1
         keep = ~TIER_BIT[Tier.HBM]
         tiers = {h: m & keep for h, m in chains.tiers.items() if m & keep}
+        for h, key in chains.keys.items():
+            if h not in tiers:
+                self._retire(chains, h, key)
         chains.keys = {h: chains.keys[h] for h in tiers}
         chains.tiers = tiers
         _emit(ops, "clear", Tier.HBM, ())
@@ -195,6 +229,7 @@ class Planner:
         """Withdraw an engine hash's old router key from every tier it was in."""
         key = chains.keys.pop(engine_hash)
         mask = chains.tiers.pop(engine_hash, 0)
+        chains.recent.pop(engine_hash, None)
         for tier, bit in TIER_BIT.items():
             if mask & bit:
                 _emit(ops, "remove", tier, [key])
@@ -223,12 +258,14 @@ class Ingestor:
         generation: str,
         block_size: int,
         max_blocks_per_pod: int = DEFAULT_MAX_BLOCKS_PER_POD,
+        recent_per_pod: int = DEFAULT_RECENT_PER_POD,
     ) -> None:
         self.index = index
         self.block_size = block_size
         self.stats = IngestStats()
         self._root = generation_root(generation)
         self._max_blocks = max_blocks_per_pod
+        self._max_recent = recent_per_pod
         self._chains: dict[str, PodChains] = {}
 
     def chains(self, pod: str, incarnation: str) -> PodChains:
@@ -248,7 +285,9 @@ class Ingestor:
 
     def plan(self, pod: str, incarnation: str, batch: EventBatch) -> list[IndexOp]:
         """Update the mapping for ``batch`` and return the index writes it implies."""
-        planner = Planner(self._root, self.block_size, self._max_blocks, self.stats, pod)
+        planner = Planner(
+            self._root, self.block_size, self._max_blocks, self.stats, pod, self._max_recent
+        )
         self.stats.batches += 1
         return planner.plan(self.chains(pod, incarnation), batch.events)
 
