@@ -50,6 +50,7 @@ class ModelFacts:
     kv_bytes_per_token: int
     prefill_tokens_per_s: float
     decode_step_ms: float
+    dram_gbps: float | None = None  # the engines' CPU tier, loaded back at this rate
 
 
 @dataclass
@@ -80,6 +81,11 @@ def kvplane_config(
         "cost": {
             "prefill_tokens_per_s": model.prefill_tokens_per_s,
             "decode_step_ms": model.decode_step_ms,
+            **(
+                {"tiers": {"dram": {"bandwidth_gbps": model.dram_gbps, "latency_ms": 0.05}}}
+                if model.dram_gbps
+                else {}
+            ),
         },
         "index": {"backend": "memory"},
         "scrape_interval_s": 0.5,

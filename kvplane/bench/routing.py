@@ -264,6 +264,7 @@ def model_facts(args: argparse.Namespace, tokenizer: Path) -> ModelFacts:
         kv_bytes_per_token=prof.kv_bytes_per_token,
         prefill_tokens_per_s=prof.prefill_tokens_per_s,
         decode_step_ms=prof.decode_base_ms,
+        dram_gbps=prof.cpu_bandwidth_gbps if prof.cpu_offload_blocks else None,
     )
 
 
@@ -397,8 +398,15 @@ def _finish(
         return (r["workload"], r["router"], float(r.get("load_factor", 1.0)))
 
     def slice_of(r: dict[str, Any]) -> tuple[Any, ...]:
-        """What makes rows comparable: the same requests at the same offered load."""
-        return (r.get("requests"), round(float(r.get("offered_rps") or 0.0), 3), r.get("mode"))
+        """What makes rows comparable: the same requests at the same offered load, on the
+        same fleet."""
+        return (
+            r.get("requests"),
+            round(float(r.get("offered_rps") or 0.0), 3),
+            r.get("mode"),
+            r.get("profile"),
+            r.get("engines"),
+        )
 
     mine = {key(r) for r in runs}
     slices = {(r["workload"], float(r.get("load_factor", 1.0))): slice_of(r) for r in runs}
