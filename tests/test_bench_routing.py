@@ -65,6 +65,18 @@ def test_des_run_accumulates_workloads_in_one_results_file(tmp_path: Path) -> No
         "kvplane",
         "kvplane-round_robin",
     ]
+    # So is the same replay on another fleet (a DRAM tier)
+    dram = [*longer, "--profile", "h100-llama-3.1-8b-dram", "--routers", "kvplane-sticky"]
+    assert routing.main(dram) == 0
+    rows = _rows(tmp_path, "routing-des")
+    assert [(r["router"], r["profile"]) for r in rows if r["workload"] == "gsp"] == [
+        ("kvplane-sticky", "h100-llama-3.1-8b-dram")
+    ]
+    # The markdown says what each workload's rows replayed, and which runs they came from
+    md = (tmp_path / "RESULTS.md").read_text()
+    assert "- gsp: 96 requests at" in md and "2 engines of `h100-llama-3.1-8b-dram`" in md
+    assert "- no-reuse: 64 requests at" in md and "of `h100-llama-3.1-8b`" in md
+    assert "Earlier runs of the day" in md and "--workloads no-reuse" in md
 
 
 def test_targets_compare_kvplane_with_the_best_peer() -> None:

@@ -97,6 +97,24 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
     return head + "\n".join(rows) + "\n"
 
 
+def slices(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What each workload's rows replayed (a day's runs accumulate, so the last
+    command's setup need not be every row's)."""
+    seen: dict[str, Mapping[str, Any]] = {}
+    for r in runs:
+        if float(r.get("load_factor", 1.0)) == 1.0:
+            seen.setdefault(str(r["workload"]), r)
+    if not seen:
+        return []
+    out = ["Rows per workload (same slice, same fleet, each router on a cold fleet):", ""]
+    for wl, r in seen.items():
+        out.append(
+            f"- {wl}: {r.get('requests')} requests at {fmt(r.get('offered_rps'), 2)} req/s "
+            f"offered, {r.get('engines')} engines of `{r.get('profile')}`"
+        )
+    return [*out, ""]
+
+
 def render_markdown(doc: Mapping[str, Any], json_path: str, plots: Sequence[str]) -> str:
     setup = doc.get("setup", {})
     lines = [
@@ -107,6 +125,7 @@ def render_markdown(doc: Mapping[str, Any], json_path: str, plots: Sequence[str]
         "",
         "Setup: " + ", ".join(f"{k} {v}" for k, v in setup.items()) + ".",
         "",
+        *slices(doc["runs"]),
         table(doc["runs"]),
     ]
     targets = doc.get("targets") or []
@@ -118,6 +137,14 @@ def render_markdown(doc: Mapping[str, Any], json_path: str, plots: Sequence[str]
         lines.append("")
     if plots:
         lines += ["Plots: " + ", ".join(f"[{Path(p).name}]({p})" for p in plots), ""]
+    earlier = [c for c in doc.get("earlier_commands", []) if c and c != doc.get("command")]
+    if earlier:
+        lines += [
+            "Earlier runs of the day (their rows stay unless a later run redid them or "
+            "replayed another slice of their workload): "
+            + "; ".join(f"`{c}`" for c in dict.fromkeys(earlier)),
+            "",
+        ]
     for note in doc.get("notes", []):
         lines.append(f"- {note}")
     return "\n".join(lines).rstrip("\n") + "\n"
