@@ -170,6 +170,13 @@ class PDSpec(_Strict):
         description="prefilling on a decode pod stalls its running requests: recompute ms x "
         "running requests x this weight is added to that option",
     )
+    exposure_weight: Annotated[float, Field(ge=0)] = Field(
+        default=0.0,
+        description="decode choice: the stall a request can expect from prefills routed to "
+        "its decode pod while it decodes (the pod's share of recent prefill x the fleet's "
+        "requests in flight x mean prompt tokens, at the prefill rate) x this weight; "
+        "with both pods it keeps decodes away from the pods that prefill; 0 = off",
+    )
     decode_running_ms: Annotated[float, Field(ge=0)] = Field(
         default=1.0, description="decode choice: penalty per running request"
     )

@@ -277,3 +277,25 @@ def test_flexible_pods_are_candidates_for_either_leg_and_stall_what_they_run() -
     b_to_c = pairs[("b", "c")]
     assert b_to_c.interference_ms == pytest.approx(b_to_c.prefill_terms.recompute_ms * 1)
     assert pairs[("c", "a")].interference_ms == 0.0
+
+
+def test_exposure_keeps_decodes_off_the_pods_that_prefill() -> None:
+    """With ``exposure_weight``, a request expects to be stalled by the prefills later
+    routed to its decode pod (that pod's share of recent prefill work, times the work
+    arriving during its life): a pod that has done all the prefilling lately prefills
+    again, and hands the decode to one that has not."""
+    from kvplane.router.pd.cost import exposure_ms
+
+    flex = PD.model_copy(update={"aggregate_max_uncached_tokens": 1 << 30})
+    loads = {
+        "p": PodLoad(recent_prefill_tokens=90_000, inflight=1),
+        "d": PodLoad(recent_prefill_tokens=10_000, inflight=6, engine_running=6),
+    }
+    off = choose_pd(4000, {}, loads, loads, {}, P, flex, BS, KV, 1000.0)
+    assert not off.disaggregated and off.decode == "p"  # fewest decoding: prefill there
+    on = flex.model_copy(update={"exposure_weight": 1.0})
+    d = choose_pd(4000, {}, loads, loads, {}, P, on, BS, KV, 1000.0)
+    assert (d.prefill, d.decode) == ("p", "d")
+    # share x in flight x mean prompt tokens at the prefill rate: 0.1 x 7 x 1000 / 10k/s
+    assert d.chosen.exposure_ms == pytest.approx(exposure_ms(0.1, 7, 1000.0, P)) == 70.0
+    assert d.aggregated["p"].exposure_ms == pytest.approx(630.0)

@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 from kvplane.router.choice import over_cap
 from kvplane.router.config import CostParams, PDSpec
 from kvplane.router.cost import CostTerms, PodLoad, predict
-from kvplane.router.pd.cost import OptionCost, aggregated_cost, pair_cost, running_requests
+from kvplane.router.pd.cost import (
+    OptionCost,
+    aggregated_cost,
+    exposure_ms,
+    pair_cost,
+    running_requests,
+)
 from kvplane.router.pd.topology import link_class, link_cost
 from kvplane.router.tiers import Tier
 
@@ -56,6 +62,30 @@ def _resident_tokens(match: Mapping[Tier, int], block_size: int, prompt_tokens: 
     return min(match.get(Tier.HBM, 0) * block_size, max(0, prompt_tokens - 1))
 
 
+def _exposures(
+    prefill_loads: Mapping[str, PodLoad],
+    decode_loads: Mapping[str, PodLoad],
+    params: CostParams,
+    pd: PDSpec,
+    mean_request_tokens: float,
+) -> dict[str, float]:
+    """Unweighted exposure per decode pod (zeros when the weight is 0)."""
+    if pd.exposure_weight <= 0.0:
+        return dict.fromkeys(decode_loads, 0.0)
+    pods = {**prefill_loads, **decode_loads}
+    total = sum(ld.recent_prefill_tokens for ld in pods.values())
+    inflight = float(sum(ld.inflight for ld in pods.values()))
+    return {
+        d: exposure_ms(
+            ld.recent_prefill_tokens / total if total > 0 else 1.0 / len(pods),
+            inflight,
+            mean_request_tokens,
+            params,
+        )
+        for d, ld in decode_loads.items()
+    }
+
+
 def choose_pd(
     prompt_tokens: int,
     matches: Mapping[str, Mapping[Tier, int]],
@@ -89,8 +119,10 @@ def choose_pd(
             mean_request_tokens,
         )
 
+    exposure = _exposures(prefill_loads, decode_loads, params, pd, mean_request_tokens)
     aggregated = {
-        d: aggregated_cost(terms(d, load), load, params, pd) for d, load in decode_loads.items()
+        d: aggregated_cost(terms(d, load), load, params, pd, exposure[d])
+        for d, load in decode_loads.items()
     }
     capped = over_cap(decode_loads, params) | over_cap(prefill_loads, params)
 
@@ -129,6 +161,7 @@ def choose_pd(
                 pd,
                 kv_bytes_per_token,
                 running_requests(prefill_loads[p]),
+                exposure[d],
             )
     options = list(pairs.values())
     if can_aggregate:

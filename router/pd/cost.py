@@ -18,7 +18,13 @@ Both options are then scored for the choice, which adds what TTFT does not show:
   pod's running requests and KV usage are penalised and new work spreads;
 - backlog (both): recomputed tokens also delay every request queued behind them on
   the pod that prefills, weighted as the aggregated policy weighs them,
-  ``(recompute_weight - 1) x recompute ms``.
+  ``(recompute_weight - 1) x recompute ms``;
+- exposure (both, per decode pod, ``exposure_weight``): the stall the request itself
+  can expect while it decodes, from the prefills later routed to its decode pod. By
+  Little's law about as many requests arrive during its life as are in flight now;
+  the pod takes its share of recent prefill work of them. Interference alone sees only
+  the stall a prefill causes now, so with ``both`` pods the pod with the fewest
+  decodes always prefills for itself; exposure keeps decodes off the pods that prefill.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ class OptionCost:
     interference_ms: float = 0.0
     balance_ms: float = 0.0
     backlog_ms: float = 0.0
+    exposure_ms: float = 0.0
 
     @property
     def disaggregated(self) -> bool:
@@ -56,7 +63,13 @@ class OptionCost:
 
     @property
     def score_ms(self) -> float:
-        return self.ttft_ms + self.interference_ms + self.balance_ms + self.backlog_ms
+        return (
+            self.ttft_ms
+            + self.interference_ms
+            + self.balance_ms
+            + self.backlog_ms
+            + self.exposure_ms
+        )
 
 
 def running_requests(load: PodLoad) -> float:
@@ -78,6 +91,15 @@ def balance_ms(load: PodLoad, pd: PDSpec) -> float:
     return running_requests(load) * pd.decode_running_ms + load.kv_usage * pd.decode_kv_weight_ms
 
 
+def exposure_ms(
+    share: float, fleet_inflight: float, mean_request_tokens: float, params: CostParams
+) -> float:
+    """Prefill a new request can expect on a decode pod during its life: the pod's
+    ``share`` of recent prefill work times the work arriving meanwhile (``fleet_inflight``
+    requests of ``mean_request_tokens``), at the prefill rate."""
+    return share * fleet_inflight * mean_request_tokens / params.prefill_tokens_per_s * 1000.0
+
+
 def backlog_ms(terms: CostTerms, params: CostParams) -> float:
     return (params.recompute_weight - 1.0) * terms.recompute_ms
 
@@ -94,6 +116,7 @@ def pair_cost(
     pd: PDSpec,
     kv_bytes_per_token: int,
     prefill_running: float = 0.0,
+    decode_exposure_ms: float = 0.0,
 ) -> OptionCost:
     """Prefill on ``prefill_terms.pod``, decode on ``decode``. The decode pod pulls
     only the blocks it does not hold already (vLLM counts its local prefix hit
@@ -112,11 +135,16 @@ def pair_cost(
         interference_ms=prefill_terms.recompute_ms * prefill_running * pd.interference_weight,
         balance_ms=balance_ms(decode_load, pd),
         backlog_ms=backlog_ms(prefill_terms, params),
+        exposure_ms=decode_exposure_ms * pd.exposure_weight,
     )
 
 
 def aggregated_cost(
-    decode_terms: CostTerms, decode_load: PodLoad, params: CostParams, pd: PDSpec
+    decode_terms: CostTerms,
+    decode_load: PodLoad,
+    params: CostParams,
+    pd: PDSpec,
+    decode_exposure_ms: float = 0.0,
 ) -> OptionCost:
     """The decode pod prefills the request itself."""
     interference = decode_terms.recompute_ms * running_requests(decode_load)
@@ -127,4 +155,5 @@ def aggregated_cost(
         interference_ms=interference * pd.interference_weight,
         balance_ms=balance_ms(decode_load, pd),
         backlog_ms=backlog_ms(decode_terms, params),
+        exposure_ms=decode_exposure_ms * pd.exposure_weight,
     )

@@ -210,6 +210,9 @@ class PDService:
         m = self.metrics
         m.prompt_tokens.labels(**m.labels).inc(len(routed.tokens))
         self.pool.observe_prompt(len(routed.tokens))
+        # Where the prefill runs, for balancing and for the decode choice's exposure term.
+        uncached = len(routed.tokens) - d.chosen.prefill_terms.cached_tokens
+        self.pool.note_routed(d.prefill or d.decode, uncached)
         body = dict(req.body)
         m.added.labels(**m.labels).observe(time.perf_counter() - received)
         if not d.disaggregated:
