@@ -98,10 +98,11 @@ class CostParams(_Strict):
     kv_pressure_penalty_ms: Annotated[float, Field(ge=0)] = 200.0
     tiers: dict[Tier, TierCost] = Field(default_factory=_default_tiers)
     recompute_weight: Annotated[float, Field(ge=1)] = Field(
-        default=4.0,
+        default=6.0,
         description="ranking weight of recompute against waiting: every token a pod "
         "recomputes also delays the requests queued behind it, so under load a pod that "
-        "holds the prefix is worth a longer queue than one predicted TTFT shows",
+        "holds the prefix is worth a longer queue than one predicted TTFT shows "
+        "(docs/router.md: how 6 was chosen)",
     )
     balance_band: Annotated[float, Field(ge=0)] = Field(
         default=0.05,
