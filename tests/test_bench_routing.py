@@ -52,6 +52,11 @@ def test_des_run_accumulates_workloads_in_one_results_file(tmp_path: Path) -> No
     assert all(r["mode"] == "des" and r["errors"] == 0 for r in rows)
     noreuse = [r for r in rows if r["workload"] == "no-reuse"]
     assert all(r["hit_ratio"] == 0 for r in noreuse)
+    # each row keeps its TTFT distribution, so a later run's plot can redraw its CDF
+    for r in rows:
+        q = r["ttft_quantiles_ms"]
+        assert len(q) == 51 and q == sorted(q)
+        assert q[0] > 0 and q[-1] >= r["ttft_p99_ms"] >= q[45]
     # A longer replay of gsp is another slice: its rows replace every gsp row, so that no
     # comparison mixes slices (one router redone would otherwise sit next to the rest).
     longer = ["--mode", "des", "--routers", "kvplane", "--limit", "96", "--engines", "2"]

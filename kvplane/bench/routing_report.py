@@ -150,6 +150,19 @@ def render_markdown(doc: Mapping[str, Any], json_path: str, plots: Sequence[str]
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+CDF_POINTS = 51  # TTFT quantiles kept per row: every 2%, enough to redraw a CDF
+
+
+def ttft_quantiles_ms(ttfts_s: Sequence[float]) -> list[float]:
+    """A row's TTFT distribution in a few numbers (ms, 0th to 100th percentile), so that a
+    plot can redraw the CDF of rows that earlier runs of the day left in the file."""
+    if not ttfts_s:
+        return []
+    s = sorted(x * 1000 for x in ttfts_s)
+    n = len(s) - 1
+    return [round(s[round(i * n / (CDF_POINTS - 1))], 3) for i in range(CDF_POINTS)]
+
+
 def plot(
     doc: Mapping[str, Any], ttfts: Mapping[str, Mapping[str, Sequence[float]]], stem: Path
 ) -> list[Path]:
@@ -162,13 +175,21 @@ def plot(
     out: list[Path] = []
     runs = doc["runs"]
     # 1 + 2. per workload measured in this invocation: TTFT CDF, hit ratio vs the ceiling
+    # (CDFs of every row of the workload: this run's from its samples, earlier ones from
+    # their quantiles)
     for wl, per_router in ttfts.items():
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
-        for router, xs in per_router.items():
-            if not xs:
+        for row in runs:
+            if row["workload"] != wl or row.get("load_factor", 1.0) != 1.0:
                 continue
-            s = sorted(x * 1000 for x in xs)
-            ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=router)
+            router = row["router"]
+            xs = per_router.get(router)
+            if xs:
+                s = sorted(x * 1000 for x in xs)
+                ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=router)
+            elif row.get("ttft_quantiles_ms"):
+                q = row["ttft_quantiles_ms"]
+                ax.plot(q, [i / (len(q) - 1) for i in range(len(q))], label=router)
         ax.set_xscale("log")
         ax.set_title(f"TTFT CDF: {wl}")
         ax.set_xlabel("TTFT (ms, simulated H100)")
