@@ -6,13 +6,18 @@ the run must complete for every router without errors and write the documented r
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
+from kvplane.router.config import CostParams
+from pydantic import ValidationError
 
 from kvplane.bench import routing
 from kvplane.bench.metrics import CORE_KEYS
+from kvplane.bench.routers import kvplane_config
 from kvplane.bench.routing_report import SECTION, check_targets
 
 pytestmark = pytest.mark.timeout(600)
@@ -107,3 +112,31 @@ def test_targets_compare_kvplane_with_the_best_peer() -> None:
     assert "sglang-router-cache_aware" in t["TTFT"]["target"]
     assert t["TTFT"]["value"] == 0.4 and t["TTFT"]["pass"]
     assert t["captured"]["pass"] and t["load"]["pass"]
+
+
+def test_kvplane_is_told_the_fleet_calibration_and_experiment_settings() -> None:
+    """The router config renders the profile's DRAM tier as the discrete-event mode costs
+    it, and ``--cost-set`` keys on top; a fleet without a CPU tier names none."""
+
+    def cost(profile: str, settings: dict[str, Any] | None = None) -> dict[str, Any]:
+        args = argparse.Namespace(profile=profile, block_size=64)
+        cfg = kvplane_config(routing.model_facts(args, Path("tok"), settings), [], "cost")
+        return cast(dict[str, Any], cfg["cost"])
+
+    dram = cost("h100-llama-3.1-8b-dram", {"recompute_weight": 4})
+    assert dram["tiers"] == {"dram": {"bandwidth_gbps": 50.0, "latency_ms": 0.05}}
+    assert CostParams.model_validate(dram).recompute_weight == 4
+    assert "tiers" not in cost("h100-llama-3.1-8b")
+
+
+def test_des_cost_settings_are_validated_and_reported(tmp_path: Path) -> None:
+    """``--cost-set`` goes through the router's own ``CostParams`` (a strict model)."""
+    argv = ["--mode", "des", "--routers", "kvplane", "--limit", "64", "--engines", "2"]
+    argv += ["--workloads", "gsp", "--out-dir", str(tmp_path), "--no-progress"]
+    assert routing.main([*argv, "--cost-set", "recompute_weight=1,balance_band=0"]) == 0
+    doc = json.loads(next(tmp_path.glob("routing-des-*.json")).read_text())
+    assert doc["setup"]["kvplane cost"] == "recompute_weight=1,balance_band=0"
+    with pytest.raises(SystemExit, match="key=value"):
+        routing.main([*argv, "--cost-set", "recompute_weight"])
+    with pytest.raises(ValidationError, match="no_such_knob"):
+        routing.main([*argv, "--cost-set", "no_such_knob=1"])

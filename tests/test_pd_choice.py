@@ -6,7 +6,7 @@ import pytest
 from kvplane.router.config import CostParams, LinkClass, LinkCost, PDSpec
 from kvplane.router.cost import PodLoad, predict
 from kvplane.router.pd.choice import PDReason, choose_pd
-from kvplane.router.pd.cost import aggregated_cost, decode_step_ms, pair_cost
+from kvplane.router.pd.cost import aggregated_cost, decode_step_ms, exposure_ms, pair_cost
 from kvplane.router.pd.topology import link_class, link_cost, transfer_ms
 from kvplane.router.tiers import Tier
 
@@ -284,8 +284,6 @@ def test_exposure_keeps_decodes_off_the_pods_that_prefill() -> None:
     routed to its decode pod (that pod's share of recent prefill work, times the work
     arriving during its life): a pod that has done all the prefilling lately prefills
     again, and hands the decode to one that has not."""
-    from kvplane.router.pd.cost import exposure_ms
-
     flex = PD.model_copy(update={"aggregate_max_uncached_tokens": 1 << 30})
     loads = {
         "p": PodLoad(recent_prefill_tokens=90_000, inflight=1),

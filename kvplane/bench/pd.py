@@ -46,9 +46,11 @@ from kvplane.bench.procs import (
     bench_main,
     bench_relative,
     cpu_seconds,
+    csv_list,
     default_tokenizer_dir,
     free_port,
     machine_info,
+    parse_settings,
     results_dir,
     spawn,
     update_markdown,
@@ -259,17 +261,6 @@ def kvplane_pd_config(
     cfg["pd"] = pd
     cfg["scrape_interval_s"] = SCRAPE_INTERVAL_S
     return cfg
-
-
-def parse_settings(text: str) -> dict[str, Any]:
-    """``key=value,key=value`` (values read as YAML scalars) for a config section."""
-    out: dict[str, Any] = {}
-    for item in _csv(text):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"bench pd: expected key=value, got {item!r}")
-        out[key.strip()] = yaml.safe_load(value)
-    return out
 
 
 def vllm_router_pd_argv(
@@ -554,10 +545,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a small smoke run")
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
 def _limit(args: argparse.Namespace, workload: str) -> int:
     if args.limit is not None:
         return int(args.limit)
@@ -593,7 +580,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.engines = min(args.engines, 3)
     if args.engines < 2:
         raise SystemExit("bench pd: needs at least two engines")
-    modes = _csv(args.modes)
+    modes = csv_list(args.modes)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         raise SystemExit(f"bench pd: unknown modes {unknown} (choose from {MODES})")
@@ -606,7 +593,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-pd-") as tmp:
         rundir = Path(tmp)
-        for wname in _csv(args.workloads):
+        for wname in csv_list(args.workloads):
             wl = build(wname, _limit(args, wname), _rate(args, wname), _trace(args))
             hit = oracle_hit_ratio(wl, args.block_size)
             split = split_for(wl, profile, args.engines, hit)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 HOST = "127.0.0.1"
 
 
@@ -273,3 +275,19 @@ def bench_main(
     args.argv_echo = list(sys.argv[1:] if argv is None else argv)
     run(args)
     return 0
+
+
+def csv_list(text: str) -> list[str]:
+    """A comma list from the command line, blanks dropped."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_settings(text: str) -> dict[str, Any]:
+    """``key=value,key=value`` (values read as YAML scalars) for a config section."""
+    out: dict[str, Any] = {}
+    for item in csv_list(text):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SystemExit(f"bench: expected key=value, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out

@@ -13,10 +13,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
 from kvplane.bench.procs import HOST, free_port, venv_bin
+from kvplane.router.config import TierCost
 
 KVPLANE_POLICIES = {"kvplane": "cost", "kvplane-round_robin": "round_robin"}
 KVPLANE_POLICIES["kvplane-sticky"] = "sticky"
@@ -50,7 +52,8 @@ class ModelFacts:
     kv_bytes_per_token: int
     prefill_tokens_per_s: float
     decode_step_ms: float
-    dram_gbps: float | None = None  # the engines' CPU tier, loaded back at this rate
+    dram: TierCost | None = None  # the engines' CPU tier, where they have one
+    cost_set: dict[str, Any] = field(default_factory=dict)  # cost overrides (experiments)
 
 
 @dataclass
@@ -81,11 +84,8 @@ def kvplane_config(
         "cost": {
             "prefill_tokens_per_s": model.prefill_tokens_per_s,
             "decode_step_ms": model.decode_step_ms,
-            **(
-                {"tiers": {"dram": {"bandwidth_gbps": model.dram_gbps, "latency_ms": 0.05}}}
-                if model.dram_gbps
-                else {}
-            ),
+            **({"tiers": {"dram": model.dram.model_dump()}} if model.dram else {}),
+            **model.cost_set,
         },
         "index": {"backend": "memory"},
         "scrape_interval_s": 0.5,

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,8 +36,10 @@ from kvplane.bench.procs import (
     bench_main,
     bench_relative,
     cpu_seconds,
+    csv_list,
     default_tokenizer_dir,
     machine_info,
+    parse_settings,
     results_dir,
     spawn,
     update_markdown,
@@ -48,6 +50,8 @@ from kvplane.bench.procs import (
 from kvplane.bench.replay import ReplayItem, replay
 from kvplane.bench.routers import ALL_ROUTERS, EngineEndpoint, ModelFacts, launch_for
 from kvplane.bench.workloads import WORKLOAD_NAMES, PromptBuilder, Workload, build_workload
+from kvplane.router.config import CostParams
+from kvplane.router.tiers import Tier
 
 MODEL = "sim-llama-3.1-8b"
 
@@ -224,6 +228,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sweep-routers", default="kvplane,vllm-router-kv_aware,sglang-router-cache_aware"
     )
+    p.add_argument(
+        "--cost-set",
+        default="",
+        help="kvplane cost settings, e.g. recompute_weight=4 (experiments; the report's "
+        "setup names them)",
+    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -248,23 +258,26 @@ def _rate(args: argparse.Namespace, workload: str) -> float:
     return float(DEFAULT_RATE_SCALE.get(workload, 1.0) * args.engines / 8)
 
 
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def model_facts(args: argparse.Namespace, tokenizer: Path) -> ModelFacts:
+def model_facts(
+    args: argparse.Namespace, tokenizer: Path, cost_set: Mapping[str, Any] | None = None
+) -> ModelFacts:
+    """The fleet as kvplane is told of it, calibrated as the discrete-event mode is
+    (``cost_params_for``); ``cost_set`` overrides cost keys (experiments)."""
+    from kvplane.sim.des import cost_params_for
     from kvplane.sim.profiles import PROFILES
 
     prof = PROFILES[args.profile]
+    cost = cost_params_for(prof)
     return ModelFacts(
         name=MODEL,
         tokenizer=tokenizer,
         block_size=args.block_size,
         max_model_len=131072,
         kv_bytes_per_token=prof.kv_bytes_per_token,
-        prefill_tokens_per_s=prof.prefill_tokens_per_s,
-        decode_step_ms=prof.decode_base_ms,
-        dram_gbps=prof.cpu_bandwidth_gbps if prof.cpu_offload_blocks else None,
+        prefill_tokens_per_s=cost.prefill_tokens_per_s,
+        decode_step_ms=cost.decode_step_ms,
+        dram=cost.tiers[Tier.DRAM] if prof.cpu_offload_blocks else None,
+        cost_set=dict(cost_set or {}),
     )
 
 
@@ -275,16 +288,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.engines = min(args.engines, 2)
     tokenizer = Path(args.tokenizer).expanduser() if args.tokenizer else default_tokenizer_dir()
     builder = PromptBuilder(tokenizer)
-    facts = model_facts(args, tokenizer)
-    routers = _csv(args.routers)
-    sweep = [float(x) for x in _csv(args.sweep)]
+    facts = model_facts(args, tokenizer, parse_settings(args.cost_set))
+    routers = csv_list(args.routers)
+    sweep = [float(x) for x in csv_list(args.sweep)]
     runs: list[dict[str, Any]] = []
     ttfts: dict[str, dict[str, list[float]]] = {}
     if args.mode == "des":
         return _run_des(args, builder, routers, sweep)
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-routing-") as tmp:
         rundir = Path(tmp)
-        for wname in _csv(args.workloads):
+        for wname in csv_list(args.workloads):
             for factor in [1.0, *[f for f in sweep if f != 1.0]]:
                 wl = build_workload(
                     wname,
@@ -295,7 +308,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 oracle = oracle_hit_ratio(builder, wl, args.block_size)
                 items = [ReplayItem(r, builder.text(r)) for r in wl.requests]
-                names = routers if factor == 1.0 else _csv(args.sweep_routers)
+                names = routers if factor == 1.0 else csv_list(args.sweep_routers)
                 for router in names:
                     out = run_one(router, wl, items, oracle, facts, args, rundir, factor)
                     out.record["sweep"] = bool(sweep)
@@ -312,15 +325,18 @@ def _run_des(
     args: argparse.Namespace, builder: PromptBuilder, routers: list[str], sweep: list[float]
 ) -> dict[str, Any]:
     """kvplane's own policy code on simulated engines in virtual time (no HTTP, no peers)."""
-    from kvplane.sim.des import ROUTERS, DesOptions, run_des
+    from kvplane.sim.des import ROUTERS, DesOptions, cost_params_for, profile_for, run_des
+
+    base = cost_params_for(profile_for(args.profile, args.block_size))
+    cost = CostParams.model_validate({**base.model_dump(), **parse_settings(args.cost_set)})
 
     ours = [r for r in routers if r in ROUTERS] or list(ROUTERS)
-    sweepers = [r for r in _csv(args.sweep_routers) if r in ROUTERS] or [
+    sweepers = [r for r in csv_list(args.sweep_routers) if r in ROUTERS] or [
         r for r in ours if r != "kvplane-sticky"
     ]
     runs: list[dict[str, Any]] = []
     ttfts: dict[str, dict[str, list[float]]] = {}
-    for wname in _csv(args.workloads):
+    for wname in csv_list(args.workloads):
         for factor in [1.0, *[f for f in sweep if f != 1.0]]:
             wl = build_workload(
                 wname,
@@ -329,7 +345,7 @@ def _run_des(
                 start=0,
                 rate_scale=_rate(args, wname) * factor,
             )
-            opts = DesOptions(oracle=oracle_hit_ratio(wl, args.block_size))
+            opts = DesOptions(oracle=oracle_hit_ratio(wl, args.block_size), cost=cost)
             for router in ours if factor == 1.0 else sweepers:
                 bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
                 rec, results = run_des(
@@ -378,6 +394,7 @@ def _finish(
             "block size": args.block_size,
             "time scale": args.time_scale,
             "requests per workload": args.limit,
+            **({"kvplane cost": args.cost_set} if args.cost_set else {}),
         },
         "machine": machine_info(),
         "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
@@ -433,7 +450,7 @@ def _finish(
             ]
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
     if ttfts:
-        routing_report.plot(doc, ttfts, stem)
+        routing_report.plot(doc, list(ttfts), stem)
     plots = sorted(out_dir.glob(stem.name + "-*.png"))
     section = routing_report.render_markdown(
         doc, bench_relative(json_path), [bench_relative(p) for p in plots]

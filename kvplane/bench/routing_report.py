@@ -163,10 +163,9 @@ def ttft_quantiles_ms(ttfts_s: Sequence[float]) -> list[float]:
     return [round(s[round(i * n / (CDF_POINTS - 1))], 3) for i in range(CDF_POINTS)]
 
 
-def plot(
-    doc: Mapping[str, Any], ttfts: Mapping[str, Mapping[str, Sequence[float]]], stem: Path
-) -> list[Path]:
-    """PNGs: TTFT CDF per router and workload; hit ratio against the ceiling; TTFT vs load."""
+def plot(doc: Mapping[str, Any], workloads: Sequence[str], stem: Path) -> list[Path]:
+    """PNGs of ``workloads`` (those this run measured): TTFT CDF per router; hit ratio
+    against the ceiling; TTFT vs load."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,22 +173,15 @@ def plot(
 
     out: list[Path] = []
     runs = doc["runs"]
-    # 1 + 2. per workload measured in this invocation: TTFT CDF, hit ratio vs the ceiling
-    # (CDFs of every row of the workload: this run's from its samples, earlier ones from
-    # their quantiles)
-    for wl, per_router in ttfts.items():
+    # 1 + 2. per workload measured in this invocation: TTFT CDF (of every row of the
+    # workload, earlier runs' included, from the quantiles each row keeps), hit ratio vs
+    # the ceiling
+    for wl in workloads:
         fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
         for row in runs:
-            if row["workload"] != wl or row.get("load_factor", 1.0) != 1.0:
-                continue
-            router = row["router"]
-            xs = per_router.get(router)
-            if xs:
-                s = sorted(x * 1000 for x in xs)
-                ax.plot(s, [(i + 1) / len(s) for i in range(len(s))], label=router)
-            elif row.get("ttft_quantiles_ms"):
-                q = row["ttft_quantiles_ms"]
-                ax.plot(q, [i / (len(q) - 1) for i in range(len(q))], label=router)
+            q = row.get("ttft_quantiles_ms")
+            if row["workload"] == wl and row.get("load_factor", 1.0) == 1.0 and q:
+                ax.plot(q, [i / (len(q) - 1) for i in range(len(q))], label=row["router"])
         ax.set_xscale("log")
         ax.set_title(f"TTFT CDF: {wl}")
         ax.set_xlabel("TTFT (ms, simulated H100)")
@@ -210,7 +202,7 @@ def plot(
         plt.close(fig)
         out.append(p)
     # 3. TTFT p90 against offered load (runs of the load sweep)
-    sweep = [r for r in runs if r.get("sweep") and r["workload"] in ttfts]
+    sweep = [r for r in runs if r.get("sweep") and r["workload"] in workloads]
     if sweep:
         fig, ax = plt.subplots(figsize=(6, 4))
         for router in dict.fromkeys(r["router"] for r in sweep):

@@ -481,4 +481,7 @@ def run_des(
     record.extra["decisions"] = dict(sim.decisions)
     record.extra["predicted_cached_tokens"] = sim.predicted_cached
     record.extra["reported_cached_tokens"] = sum(r.cached_tokens or 0 for r in results)
+    # BlockStored events the router could not key (a parent it no longer knew): index drift
+    record.extra["events_stored"] = sim.ingestor.stats.stored
+    record.extra["events_unmapped"] = sim.ingestor.stats.unmapped
     return record, results

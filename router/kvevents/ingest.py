@@ -77,7 +77,8 @@ class PodChains:
     incarnation: str
     keys: dict[int, int] = field(default_factory=dict)
     tiers: dict[int, int] = field(default_factory=dict)
-    recent: OrderedDict[int, int] = field(default_factory=OrderedDict)  # left every tier
+    # blocks that left every tier, oldest first; never a hash that ``keys`` holds
+    recent: OrderedDict[int, int] = field(default_factory=OrderedDict)
     full_logged: bool = False
 
     def key_of(self, engine_hash: int) -> int | None:
@@ -208,8 +209,7 @@ class Planner:
         if self.max_recent <= 0:
             return
         recent = chains.recent
-        recent[engine_hash] = key
-        recent.move_to_end(engine_hash)
+        recent[engine_hash] = key  # new here: it was in ``keys`` until now
         while len(recent) > self.max_recent:
             recent.popitem(last=False)
 
@@ -229,7 +229,6 @@ class Planner:
         """Withdraw an engine hash's old router key from every tier it was in."""
         key = chains.keys.pop(engine_hash)
         mask = chains.tiers.pop(engine_hash, 0)
-        chains.recent.pop(engine_hash, None)
         for tier, bit in TIER_BIT.items():
             if mask & bit:
                 _emit(ops, "remove", tier, [key])
