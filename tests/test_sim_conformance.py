@@ -188,11 +188,23 @@ def test_repeated_prefix_reports_the_same_cached_tokens(targets: tuple[Target, T
         assert cached_real == cached_sim > 0, name
 
 
+def chunk_kinds(chunks: list[Any]) -> list[Any]:
+    """The schemas of a stream's chunks in order, a run of identical ones counted once:
+    how many content chunks there are is timing (vLLM merges the tokens of steps its
+    output loop fell behind on into one delta), what each kind looks like is not."""
+    out: list[Any] = []
+    for c in chunks:
+        s = schema(c)
+        if not out or out[-1] != s:
+            out.append(s)
+    return out
+
+
 def test_stream_chunk_schemas_match(targets: tuple[Target, Target]) -> None:
     real, sim = targets
     for name in ("s_cmpl", "s_cmpl_plain", "s_chat", "s_chat_plain"):
         a, b = real.streams[name], sim.streams[name]
-        assert [schema(c) for c in a] == [schema(c) for c in b], name
+        assert chunk_kinds(a) == chunk_kinds(b), name
         usage_a = [c["usage"] for c in a if c.get("usage")]
         usage_b = [c["usage"] for c in b if c.get("usage")]
         assert usage_a == usage_b, name
