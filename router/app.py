@@ -56,7 +56,8 @@ def make_index(config: RouterConfig, generation: str) -> ResidencyIndex:
         return RedisIndex(
             config.index.url,
             generation,
-            config.index.lookup_timeout_ms / 1000,
+            # lookups are cut at lookup_timeout_ms by the IndexGuard, not the socket
+            config.index.io_timeout_ms / 1000,
             # an external index's password comes from a Secret (the operator sets the env)
             password=os.environ.get("KVPLANE_INDEX_PASSWORD") or None,
         )

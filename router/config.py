@@ -196,7 +196,14 @@ class PDSpec(_Strict):
 class IndexSpec(_Strict):
     backend: str = Field(default="memory", pattern="^(memory|redis)$")
     url: str = "redis://127.0.0.1:6379/0"
-    lookup_timeout_ms: Annotated[float, Field(gt=0)] = 50.0
+    lookup_timeout_ms: Annotated[float, Field(gt=0)] = Field(
+        default=50.0, description="a routing lookup slower than this routes without the index"
+    )
+    io_timeout_ms: Annotated[float, Field(gt=0)] = Field(
+        default=5000.0,
+        description="socket timeout of every Redis command: event writes are not on a "
+        "request's path, and a write cut short costs the pod a resync",
+    )
 
 
 class RouterConfig(_Strict):

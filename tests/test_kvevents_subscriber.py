@@ -185,7 +185,7 @@ def subscriber(
         topic="kv@",
         context=ctx,
         new_incarnation=counter(),
-        **kw,
+        **({"idle_probe_s": 60.0} | kw),  # probes only where a test asks for them
     )
 
 
@@ -275,6 +275,52 @@ async def test_replay_not_covering_the_gap_starts_a_new_incarnation(
             ("batch", "inc1", 5),
         ]
         assert sub.stats.replay_failures == 1 and sub.incarnation == "inc1"
+
+
+async def test_lost_last_message_is_recovered_by_the_idle_probe(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # no later message shows this gap: only asking the replay buffer finds it
+    async with running(ctx=ctx) as pub, stream(ctx, pub, idle_probe_s=0.2) as (sub, gen):
+        await pub.publish(Cleared())
+        await pub.publish(Cleared(), send=False)
+        assert summary(await take(gen, 2)) == [("batch", "inc0", 0), ("batch", "inc0", 1)]
+        assert pub.replay_requests[0] == 1 and sub.stats.tail_recoveries == 1
+        await pub.publish(Cleared())  # the stream goes on from there, no gap, no restart
+        assert summary(await take(gen, 1)) == [("batch", "inc0", 2)]
+        assert (sub.stats.gaps, sub.stats.restarts, sub.stats.tail_recoveries) == (0, 0, 1)
+
+
+async def test_first_message_lost_before_any_live_one_is_recovered(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    # a fresh engine's first step published before the subscription reached it
+    async with running(ctx=ctx) as pub, stream(ctx, pub, idle_probe_s=0.2) as (sub, gen):
+        await pub.publish(Cleared(), send=False)
+        assert summary(await take(gen, 1)) == [("batch", "inc0", 0)]
+        await pub.publish(Cleared())
+        assert summary(await take(gen, 1)) == [("batch", "inc0", 1)]
+        assert sub.stats.gaps == 0 and sub.stats.restarts == 0
+
+
+async def test_idle_probe_past_the_buffer_starts_a_new_incarnation(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with (
+        running(ctx=ctx, buffer_steps=2) as pub,
+        stream(ctx, pub, idle_probe_s=0.2) as (sub, gen),
+    ):
+        await pub.publish(Cleared())
+        for _ in range(4):
+            await pub.publish(Cleared(), send=False)  # seqs 1..4; the buffer keeps 3, 4
+        got = summary(await take(gen, 4))
+        assert got == [
+            ("batch", "inc0", 0),
+            ("inc", "inc1", "gap"),
+            ("batch", "inc1", 3),
+            ("batch", "inc1", 4),
+        ]
+        assert sub.stats.replay_failures == 1
 
 
 async def test_gap_without_replay_endpoint(ctx: zmq.asyncio.Context) -> None:

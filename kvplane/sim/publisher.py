@@ -170,6 +170,7 @@ class KVEventPublisher:
             self.replay_endpoint = _bind(self._replay, replay_endpoint)
         self._task: asyncio.Task[None] | None = None
         self.published = 0
+        self.replays_served = 0
 
     def config(self) -> dict[str, Any]:
         """vLLM's ``KVEventsConfig`` as ``/kv_event_sources`` reports it (per DP rank)."""
@@ -209,18 +210,28 @@ class KVEventPublisher:
             if len(frames) != 3:
                 log.warning("invalid replay request of %d frames", len(frames))
                 continue
-            client, _, start8 = frames
-            start = int.from_bytes(start8, "big")
-            sent = 0
-            for seq, payload in list(self._buffer):
-                if seq >= start:
-                    await sock.send_multipart(
-                        (client, b"", self._topic_bytes, seq.to_bytes(8, "big"), payload)
-                    )
-                    sent += 1
-                    if sent % 512 == 0:
-                        await asyncio.sleep(0)  # a long replay must not starve the engines
-            await sock.send_multipart((client, b"", b"", END_SEQ, b""))
+            try:
+                await self._answer(sock, frames[0], int.from_bytes(frames[2], "big"))
+            except zmq.ZMQError as exc:  # one client's failure must not end the service
+                log.warning("replay answer failed: %s", exc)
+
+    async def _answer(self, sock: zmq.asyncio.Socket, client: bytes, start: int) -> None:
+        sent = 0
+        for seq, payload in list(self._buffer):
+            if seq >= start:
+                await sock.send_multipart(
+                    (client, b"", self._topic_bytes, seq.to_bytes(8, "big"), payload)
+                )
+                sent += 1
+                if sent % 512 == 0:
+                    await asyncio.sleep(0)  # a long replay must not starve the engines
+        await sock.send_multipart((client, b"", b"", END_SEQ, b""))
+        self.replays_served += 1
+
+    @property
+    def replay_serving(self) -> bool:
+        """Whether the replay service task is running (for diagnostics)."""
+        return self._task is not None and not self._task.done()
 
     async def aclose(self) -> None:
         if self._task is not None:

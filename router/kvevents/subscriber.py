@@ -40,6 +40,11 @@ DEFAULT_REPLAY_TIMEOUT_S: Final = 5.0
 RECONNECT_MIN_S: Final = 0.1
 RECONNECT_MAX_S: Final = 5.0
 CONNECT_WAIT_S: Final = 1.0  # first connection, before the start notice
+# A quiet stream is checked against the replay buffer this often: a lost *last*
+# message (sent before our subscription reached the engine, or dropped) is shown
+# by no later seq, so only asking finds it. An answer with nothing new is one
+# end-of-buffer frame.
+IDLE_PROBE_S: Final = 3.0
 SUB_RCVHWM: Final = 100_000  # the engine's default PUB hwm: a slow ingest must not drop
 
 Step = Literal["first", "next", "gap", "restart", "duplicate"]
@@ -89,6 +94,7 @@ class StreamStats:
     incarnations: int = 0
     duplicates: int = 0
     reconnects: int = 0
+    tail_recoveries: int = 0  # idle probes that found batches the live stream lost
 
 
 def new_incarnation_id() -> str:
@@ -157,6 +163,7 @@ class EngineSubscriber:
         context: zmq.asyncio.Context | None = None,
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
         new_incarnation: Callable[[], str] = new_incarnation_id,
+        idle_probe_s: float = IDLE_PROBE_S,
     ) -> None:
         self.pod = pod
         self.endpoint = endpoint
@@ -165,6 +172,7 @@ class EngineSubscriber:
         self.stats = StreamStats()
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()
         self._replay_timeout_s = replay_timeout_s
+        self._idle_probe_ms = max(1, int(idle_probe_s * 1000))
         self._make_id = new_incarnation
         self._incarnation: str | None = None
         self._last_seq: int | None = None
@@ -202,7 +210,12 @@ class EngineSubscriber:
             backoff = RECONNECT_MIN_S
             while True:
                 try:
-                    ready = dict(await poller.poll())
+                    ready = dict(await poller.poll(self._idle_probe_ms))
+                    if not ready:
+                        if not lost and self.replay_endpoint is not None:
+                            for update in await self._probe():
+                                yield update
+                        continue
                     if monitor in ready:
                         event = parse_monitor_message(await monitor.recv_multipart())["event"]
                         if event == zmq.EVENT_DISCONNECTED and not lost:
@@ -314,6 +327,27 @@ class EngineSubscriber:
         self._replayed = {seq: got[seq] for seq in range(start, stop)}
         self._last_seq, self._publisher = stop - 1, b""
         return self._decoded_range(got, start, stop)
+
+    async def _probe(self) -> list[Update]:
+        """Anything the engine published after the last seq we saw (idle stream)."""
+        if self._last_seq is None:
+            return await self._catch_up_on_connect()
+        start = self._last_seq + 1
+        got = await self._replay(start, 1 << 63)
+        if not got:
+            return []
+        self.stats.tail_recoveries += 1
+        stop = max(got) + 1
+        log.info("kv events %s: seq %d..%d missed live, recovered", self.pod, start, stop - 1)
+        if all(seq in got for seq in range(start, stop)):
+            first, out = start, []
+        else:
+            self.stats.replay_failures += 1
+            first = contiguous_suffix(got, stop)
+            out = [self._begin("gap")]
+        self._replayed = {seq: got[seq] for seq in range(first, stop)}
+        self._last_seq = stop - 1
+        return out + self._decoded_range(got, first, stop)
 
     async def _fill_gap(self, start: int, stop: int) -> list[Update]:
         got = await self._replay(start, stop)
