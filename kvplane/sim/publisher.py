@@ -12,6 +12,8 @@ Framing: ``[topic, seq (8 bytes big-endian, from 0), payload]``; replay answers
 ``[client, b"", topic, seq, payload]`` per buffered batch with ``seq >= start`` and
 ends with ``[client, b"", b"", -1 (8 bytes), b""]``. Sending never blocks (PUB drops
 at the high-water mark, as vLLM's does), so publishing from the event loop is safe.
+Replay is answered by a thread of its own, as vLLM's publisher thread does: a replay
+of thousands of batches then neither waits on nor delays the engines' event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -27,7 +30,6 @@ from typing import Any, Final
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from kvplane.sim import events as ev
 
@@ -133,8 +135,8 @@ class KVEventPublisher:
     """One engine's publisher: PUB for live batches, ROUTER for replay of the last
     ``buffer_steps`` batches. ``bind=None`` follows vLLM's bind-or-connect rule.
 
-    Call :meth:`start` inside the running event loop (it serves replay there) and
-    :meth:`close` at the end.
+    Call :meth:`start` to serve replay (from a thread of its own) and :meth:`close`
+    or :meth:`aclose` at the end.
     """
 
     def __init__(
@@ -162,13 +164,14 @@ class KVEventPublisher:
         else:
             self._pub.connect(endpoint)
             self.endpoint = endpoint
-        self._replay: zmq.asyncio.Socket | None = None
+        self._replay: zmq.Socket[Any] | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
-            self._replay = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+            self._replay = zmq.Context.instance().socket(zmq.ROUTER)
             self._replay.set_hwm(2 * (buffer_steps + 1))
             self.replay_endpoint = _bind(self._replay, replay_endpoint)
-        self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
         self.published = 0
         self.replays_served = 0
 
@@ -186,8 +189,12 @@ class KVEventPublisher:
         }
 
     def start(self) -> None:
-        if self._replay is not None and self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+        """Start answering replay requests (the socket is the thread's from now on)."""
+        if self._replay is not None and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._serve_replay, name=f"kv-replay-{self.topic}", daemon=True
+            )
+            self._thread.start()
 
     def publish(self, events: Sequence[ev.KVEvent], ts: float | None = None) -> int | None:
         """Sends one batch (one engine step); returns its seq, None for no events."""
@@ -202,46 +209,49 @@ class KVEventPublisher:
         self.published += 1
         return seq
 
-    async def _serve_replay(self) -> None:
+    def _serve_replay(self) -> None:
         sock = self._replay
         assert sock is not None
-        while True:
-            frames = await sock.recv_multipart()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            frames = sock.recv_multipart()
             if len(frames) != 3:
                 log.warning("invalid replay request of %d frames", len(frames))
                 continue
             try:
-                await self._answer(sock, frames[0], int.from_bytes(frames[2], "big"))
+                self._answer(sock, frames[0], int.from_bytes(frames[2], "big"))
             except zmq.ZMQError as exc:  # one client's failure must not end the service
                 log.warning("replay answer failed: %s", exc)
 
-    async def _answer(self, sock: zmq.asyncio.Socket, client: bytes, start: int) -> None:
-        sent = 0
-        for seq, payload in list(self._buffer):
+    def _answer(self, sock: zmq.Socket[Any], client: bytes, start: int) -> None:
+        for seq, payload in list(self._buffer):  # a snapshot: the loop keeps appending
             if seq >= start:
-                await sock.send_multipart(
+                sock.send_multipart(
                     (client, b"", self._topic_bytes, seq.to_bytes(8, "big"), payload)
                 )
-                sent += 1
-                if sent % 512 == 0:
-                    await asyncio.sleep(0)  # a long replay must not starve the engines
-        await sock.send_multipart((client, b"", b"", END_SEQ, b""))
+        sock.send_multipart((client, b"", b"", END_SEQ, b""))
         self.replays_served += 1
 
     @property
     def replay_serving(self) -> bool:
-        """Whether the replay service task is running (for diagnostics)."""
-        return self._task is not None and not self._task.done()
+        """Whether the replay thread is running (for diagnostics)."""
+        return self._thread is not None and self._thread.is_alive()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await asyncio.to_thread(self._join)
         self.close()
 
+    def _join(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+            self._thread = None
+
     def close(self) -> None:
+        self._join()  # the replay socket is closed only once its thread is done with it
         self._pub.close(linger=0)
         if self._replay is not None:
             self._replay.close(linger=0)
