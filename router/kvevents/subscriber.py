@@ -338,19 +338,17 @@ class EngineSubscriber:
             return []
         self.stats.tail_recoveries += 1
         stop = max(got) + 1
-        log.info("kv events %s: seq %d..%d missed live, recovered", self.pod, start, stop - 1)
-        if all(seq in got for seq in range(start, stop)):
-            first, out = start, []
-        else:
-            self.stats.replay_failures += 1
-            first = contiguous_suffix(got, stop)
-            out = [self._begin("gap")]
-        self._replayed = {seq: got[seq] for seq in range(first, stop)}
+        log.info("kv events %s: seq %d..%d missed live, recovering", self.pod, start, stop - 1)
+        self._replayed = got  # a late live copy of one of them is a duplicate
         self._last_seq = stop - 1
-        return out + self._decoded_range(got, first, stop)
+        return self._joined(got, start, stop)
 
     async def _fill_gap(self, start: int, stop: int) -> list[Update]:
-        got = await self._replay(start, stop)
+        return self._joined(await self._replay(start, stop), start, stop)
+
+    def _joined(self, got: dict[int, bytes], start: int, stop: int) -> list[Update]:
+        """Seqs ``[start, stop)`` from a replay; when it no longer reaches back to
+        ``start``, a new incarnation from where it joins up with ``stop``."""
         if all(seq in got for seq in range(start, stop)):
             return self._decoded_range(got, start, stop)
         self.stats.replay_failures += 1

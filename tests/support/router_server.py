@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+import httpx
 from fastapi import FastAPI
 from kvplane.router.app import Router, create_app
 from kvplane.router.config import RouterConfig
@@ -55,3 +57,25 @@ def serve_router(
     app = create_app(config, embedded_indexer=embedded_indexer)
     with serve_in_thread(app) as port:
         yield RunningRouter(app, port)
+
+
+def wait_resident(
+    router: RunningRouter,
+    body: Mapping[str, object],
+    pod: str,
+    blocks: int,
+    timeout_s: float = 20.0,
+) -> None:
+    """Poll explain until ``pod`` holds ``blocks`` HBM blocks of the body (bounded):
+    residency the engine's KV events put in the index."""
+    deadline = time.monotonic() + timeout_s
+    seen = -1
+    while time.monotonic() < deadline:
+        exp = httpx.post(f"{router.url}/kvplane/explain", json=body, timeout=timeout_s).json()
+        # no resident_blocks: the index lookup failed (degraded routing); ask again
+        held = {c["pod"]: c.get("resident_blocks", {}).get("hbm", 0) for c in exp["candidates"]}
+        seen = held.get(pod, 0)
+        if seen >= blocks:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{pod} holds {seen} < {blocks} blocks after {timeout_s:g} s")
