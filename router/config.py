@@ -168,8 +168,9 @@ class PDSpec(_Strict):
     )
     interference_weight: Annotated[float, Field(ge=0)] = Field(
         default=1.0,
-        description="prefilling on a decode pod stalls its running requests: recompute ms x "
-        "running requests x this weight is added to that option",
+        description="prefilling on a decode pod stalls its running requests by what does "
+        "not fit in the compute their memory-bound decode step leaves idle: max(0, recompute "
+        "ms - idle ms) x running requests x this weight is added to that option",
     )
     exposure_weight: Annotated[float, Field(ge=0)] = Field(
         default=0.0,

@@ -108,9 +108,36 @@ def test_aggregated_option_pays_for_stalling_running_decodes() -> None:
     agg = aggregated_cost(terms, PodLoad(engine_running=4), P, PD)
     assert agg.prefill is None and agg.transfer_ms == 0 and agg.link is None
     assert agg.ttft_ms == pytest.approx(terms.ttft_ms)
-    assert agg.interference_ms == pytest.approx(terms.recompute_ms * 4)
+    # 1000 tokens = 100 ms of prefill; the 5.4 ms step the four decodes take anyway leaves
+    # 5.0 ms of compute idle (their rows use 0.4), the rest stalls each of them
+    assert agg.interference_ms == pytest.approx((100.0 - 5.0) * 4)
     # recompute also delays what queues behind it, weighted as the aggregated policy does
     assert agg.backlog_ms == pytest.approx((P.recompute_weight - 1) * terms.recompute_ms)
+
+
+def test_a_prefill_that_fits_in_a_decode_step_stalls_nobody() -> None:
+    """Decode steps are memory-bound: a short prefill rides in the step the running
+    requests take anyway (stall-free batching), so it costs them nothing; a longer one
+    stalls them by what does not fit."""
+    busy = PodLoad(engine_running=10)  # a step of 5 + 10 x 0.1 = 6 ms, 1 ms of it compute
+    short = predict("d", 50, hbm(0), busy, P, BS, KV, 1000.0)  # 5 ms of prefill
+    assert aggregated_cost(short, busy, P, PD).interference_ms == 0.0
+    longer = predict("d", 200, hbm(0), busy, P, BS, KV, 1000.0)  # 20 ms
+    assert aggregated_cost(longer, busy, P, PD).interference_ms == pytest.approx(15.0 * 10)
+
+
+def test_a_mostly_resident_prompt_skips_the_prefill_pool_despite_busy_decodes() -> None:
+    """Both pods hold all but a 32-token tail of the prompt. The idle prefill pod
+    could compute the tail and hand it over at once, but the decode pod, with 10
+    requests running, prefills it inside its decode step (3.2 ms of prefill in the
+    5 ms its 6 ms step leaves idle): quicker, without the transfer and the extra step.
+    Charged as a full stall (32 ms), the handoff would have won."""
+    busy = PodLoad(engine_running=10)
+    matches = {"p0": hbm(98), "d0": hbm(98)}
+    d = choose_pd(1600, matches, {"p0": IDLE}, {"d0": busy}, {}, P, PD, BS, KV, 1000.0)
+    assert not d.disaggregated and d.reason == PDReason.RESIDENT_ON_DECODE
+    alone = next(o for o in d.options if o.prefill is None)
+    assert alone.interference_ms == 0.0
 
 
 # --- choice ---------------------------------------------------------------------------
@@ -275,7 +302,7 @@ def test_flexible_pods_are_candidates_for_either_leg_and_stall_what_they_run() -
     pairs = {(o.prefill, o.decode): o for o in d.options if o.prefill is not None}
     assert set(pairs) == {(p, q) for p in loads for q in loads if p != q}
     b_to_c = pairs[("b", "c")]
-    assert b_to_c.interference_ms == pytest.approx(b_to_c.prefill_terms.recompute_ms * 1)
+    assert b_to_c.interference_ms == pytest.approx(b_to_c.prefill_terms.recompute_ms - 5.0)
     assert pairs[("c", "a")].interference_ms == 0.0
 
 

@@ -12,8 +12,11 @@ Aggregated on the decode pod it is the ordinary cost (``kvplane.router.cost``).
 Both options are then scored for the choice, which adds what TTFT does not show:
 
 - interference: the prefill stalls every request decoding on the pod that prefills
-  (the decode pod when aggregated; a ``both`` pod prefilling for a pair), so
-  recompute ms x its running requests x ``interference_weight``;
+  (the decode pod when aggregated; a ``both`` pod prefilling for a pair). A decode
+  step is memory-bound: the compute its own rows leave idle (step ms - running x
+  ms per prefill token) takes that much prefill for free (Sarathi-Serve's stall-free
+  batching); only the rest stalls them, so
+  max(0, recompute ms - idle ms) x running requests x ``interference_weight``;
 - balance (both, per decode pod): decode is bandwidth- and latency-bound, so a
   pod's running requests and KV usage are penalised and new work spreads;
 - backlog (both): recomputed tokens also delay every request queued behind them on
@@ -87,6 +90,16 @@ def decode_step_ms(load: PodLoad, params: CostParams) -> float:
     return step
 
 
+def interference_ms(recompute_ms: float, running: float, params: CostParams, pd: PDSpec) -> float:
+    """The stall a prefill of ``recompute_ms`` imposes on the ``running`` requests
+    decoding on the pod that runs it: what does not fit in the compute their own step
+    leaves idle. A short tail of a resident prompt then costs them nothing, as on the
+    engine, while a long prefill costs nearly its whole length."""
+    step = params.decode_step_ms + running * params.running_step_ms_per_request
+    idle = max(0.0, step - running * 1000.0 / params.prefill_tokens_per_s)
+    return max(0.0, recompute_ms - idle) * running * pd.interference_weight
+
+
 def balance_ms(load: PodLoad, pd: PDSpec) -> float:
     return running_requests(load) * pd.decode_running_ms + load.kv_usage * pd.decode_kv_weight_ms
 
@@ -132,7 +145,7 @@ def pair_cost(
         transfer_bytes=tokens * kv_bytes_per_token,
         transfer_ms=transfer_ms(tokens, kv_bytes_per_token, link),
         decode_ms=decode_step_ms(decode_load, params),
-        interference_ms=prefill_terms.recompute_ms * prefill_running * pd.interference_weight,
+        interference_ms=interference_ms(prefill_terms.recompute_ms, prefill_running, params, pd),
         balance_ms=balance_ms(decode_load, pd),
         backlog_ms=backlog_ms(prefill_terms, params),
         exposure_ms=decode_exposure_ms * pd.exposure_weight,
@@ -147,12 +160,12 @@ def aggregated_cost(
     decode_exposure_ms: float = 0.0,
 ) -> OptionCost:
     """The decode pod prefills the request itself."""
-    interference = decode_terms.recompute_ms * running_requests(decode_load)
+    running = running_requests(decode_load)
     return OptionCost(
         prefill=None,
         decode=decode_terms.pod,
         prefill_terms=decode_terms,
-        interference_ms=interference * pd.interference_weight,
+        interference_ms=interference_ms(decode_terms.recompute_ms, running, params, pd),
         balance_ms=balance_ms(decode_load, pd),
         backlog_ms=backlog_ms(decode_terms, params),
         exposure_ms=decode_exposure_ms * pd.exposure_weight,
