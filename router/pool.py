@@ -147,13 +147,14 @@ class Scraper:
 
     async def _run(self) -> None:
         while True:
+            await asyncio.sleep(self._interval)
             try:
                 await self.scrape_once()
             except Exception:  # never let the loop die on one bad scrape
                 log.exception("scrape failed")
-            await asyncio.sleep(self._interval)
 
     def start(self) -> None:
+        """Scrape every interval from now on; the caller has just run ``scrape_once``."""
         self._task = asyncio.create_task(self._run(), name="kvplane-scraper")
 
     async def stop(self) -> None:
