@@ -658,7 +658,9 @@ def _finish(
     resyncs = sum(int(r.get("lag_resyncs") or 0) for r in runs)
     doc["notes"] = [
         "Latencies are simulated H100 seconds (client wall time / time scale). ITL is each "
-        "request's mean gap between its first and last token; p50/p99 over requests.",
+        "request's mean gap between its first and last token (vLLM bench's TPOT); p50/p99 "
+        "over requests. Token gap p99 is over every gap of every request (vLLM bench's "
+        "ITL), from the engines' vllm:inter_token_latency_seconds histograms.",
         f"Simulator event-loop lag resyncs over all runs: {resyncs} (0 = the modeled "
         "timeline held; each is a step that started over 100 ms late).",
         "Why the targets come out as they do, and the conditional settings tried: "

@@ -203,9 +203,9 @@ def _pct(x: Any) -> str:
 def table(runs: Sequence[Mapping[str, Any]]) -> str:
     head = (
         "| workload | mode | P:D | TTFT p50 / p90 / p99 ms | ITL p50 / p99 ms "
-        "| token gaps > 100 ms | req/s | errors | disagg share | prefill / decode busy "
-        "| resyncs |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| token gap p99 ms | token gaps > 100 ms | req/s | errors | disagg share "
+        "| prefill / decode busy | resyncs |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     )
     rows = []
     for r in runs:
@@ -213,7 +213,8 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
             f"| {r['workload']} | {r['router']} | {r.get('split', '–')} | "
             f"{fmt(r['ttft_p50_ms'], 0)} / {fmt(r['ttft_p90_ms'], 0)} / "
             f"{fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'], 1)} / "
-            f"{fmt(r.get('itl_p99_ms'), 1)} | {_pct(r.get('stalled_token_share'))} | "
+            f"{fmt(r.get('itl_p99_ms'), 1)} | {fmt(r.get('token_gap_p99_ms'), 1)} | "
+            f"{_pct(r.get('stalled_token_share'))} | "
             f"{fmt(r['throughput_rps'], 2)} | {r['errors']} | {_mix(r)} | "
             f"{fmt(r.get('prefill_busy'), 2)} / {fmt(r.get('decode_busy'), 2)} | "
             f"{r.get('lag_resyncs', '–')} |"
