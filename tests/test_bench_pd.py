@@ -9,6 +9,7 @@ errors and that the rows, decisions and files say what they claim.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,20 @@ def test_decision_counts_and_targets() -> None:
     assert not any(t["pass"] for t in pd_report.check_targets(runs))
     table = pd_report.table(runs)
     assert table.count("\n") == 2 + len(runs) and "| prefill-heavy | conditional |" in table
+    # every row has the header's columns
+    assert len({line.count("|") for line in table.splitlines()}) == 1
+
+
+def test_histogram_quantile_and_share_match_prometheus() -> None:
+    """The token-gap figures come from cumulative ``le`` buckets, read as Prometheus does."""
+    gaps = {0.01: 50.0, 0.1: 90.0, 0.3: 100.0, math.inf: 100.0}
+    # rank 99 lies in (0.1, 0.3], 9 of its 10 observations in: 0.1 + 0.2 * 0.9
+    assert pd_report.bucket_quantile(gaps, 0.99) == pytest.approx(0.28)
+    assert pd_report.bucket_quantile(gaps, 0.5) == pytest.approx(0.01)
+    assert pd_report.bucket_quantile({0.1: 2.0, math.inf: 4.0}, 0.99) == 0.1  # +Inf: its lower bound
+    assert pd_report.bucket_quantile({0.1: 0.0, math.inf: 0.0}, 0.99) is None
+    assert pd_report.share_above(gaps, 0.1) == pytest.approx(0.1)
+    assert pd_report.share_above(gaps, 0.2) is None  # not a bucket bound
 
 
 def test_bench_pd_every_mode_end_to_end(tmp_path: Path) -> None:
@@ -117,6 +132,7 @@ def test_bench_pd_every_mode_end_to_end(tmp_path: Path) -> None:
         assert r["workload"] == pd.PREFILL_HEAVY and r["requests"] == 4, r
         assert r["errors"] == 0, r.get("error_samples")
         assert r["ttft_p50_ms"] is not None and r["itl_p99_ms"] is not None
+        assert r["token_gap_p99_ms"] > 0  # from the engines' histograms
         assert set(r["engine_stats"]) == {"e0", "e1"}
         assert sum(s["generation_tokens"] for s in r["engine_stats"].values()) > 0
     agg, dis, cond, flex, vr = runs
