@@ -111,7 +111,8 @@ def test_histogram_quantile_and_share_match_prometheus() -> None:
     # rank 99 lies in (0.1, 0.3], 9 of its 10 observations in: 0.1 + 0.2 * 0.9
     assert pd_report.bucket_quantile(gaps, 0.99) == pytest.approx(0.28)
     assert pd_report.bucket_quantile(gaps, 0.5) == pytest.approx(0.01)
-    assert pd_report.bucket_quantile({0.1: 2.0, math.inf: 4.0}, 0.99) == 0.1  # +Inf: its lower bound
+    # rank in the +Inf bucket: its lower bound, as Prometheus answers
+    assert pd_report.bucket_quantile({0.1: 2.0, math.inf: 4.0}, 0.99) == 0.1
     assert pd_report.bucket_quantile({0.1: 0.0, math.inf: 0.0}, 0.99) is None
     assert pd_report.share_above(gaps, 0.1) == pytest.approx(0.1)
     assert pd_report.share_above(gaps, 0.2) is None  # not a bucket bound
