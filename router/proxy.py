@@ -229,7 +229,13 @@ class Proxy:
         """Streams the body piece by piece; a client that leaves drops the backend
         connection, so the engine stops generating for nobody."""
         gone = asyncio.ensure_future(_until_disconnect(receive))
-        gone.add_done_callback(lambda f: None if f.cancelled() else resp.abort())
+
+        def client_left(f: asyncio.Future[None]) -> None:
+            if not f.cancelled():
+                attempt.end()  # before the abort: the pod is free once the engine sees it
+                resp.abort()
+
+        gone.add_done_callback(client_left)
         try:
             await send({"type": "http.response.start", "status": 200, "headers": head.items()})
             while True:
