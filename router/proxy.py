@@ -232,7 +232,9 @@ class Proxy:
 
         def client_left(f: asyncio.Future[None]) -> None:
             if not f.cancelled():
-                attempt.end()  # before the abort: the pod is free once the engine sees it
+                # Free the pod first: the socket closes on a later loop turn, so by the
+                # time the engine sees the close the router no longer counts it busy.
+                attempt.end()
                 resp.abort()
 
         gone.add_done_callback(client_left)
