@@ -124,9 +124,9 @@ def prefill_heavy(
     )
 
 
-def build(name: str, limit: int, rate_scale: float, trace: Path | None) -> Workload:
+def build(name: str, limit: int, rate_scale: float, trace: Path | None, seed: int = 0) -> Workload:
     if name == PREFILL_HEAVY:
-        return prefill_heavy(n=limit, rate=10.0 * rate_scale)
+        return prefill_heavy(n=limit, rate=10.0 * rate_scale, seed=seed)
     return build_workload(name, trace=trace, limit=limit, start=0, rate_scale=rate_scale)
 
 
@@ -518,8 +518,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--limit", type=int, default=None, help="requests per workload (default per workload)"
     )
     p.add_argument("--rate-scale", type=float, default=None, help="offered load multiplier")
+    p.add_argument(
+        "--mode",
+        choices=("http", "des"),
+        default="http",
+        help="http: the live router over a simulated fleet; des: virtual time (pd_des.py)",
+    )
     p.add_argument("--engines", type=int, default=8)
-    p.add_argument("--prefill", type=int, default=None, help="prefill engines (default: sized)")
+    p.add_argument(
+        "--prefill",
+        default=None,
+        help="prefill engines (default: sized); with --mode des a comma list of splits",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="des: pods per node (NVLink inside, --pd-link-gbps between); 0: unknown",
+    )
+    p.add_argument("--nvlink-gbps", type=float, default=450.0, help="des: same-node KV link GB/s")
+    p.add_argument("--seeds", default="0", help="des: prefill-heavy workload seeds, comma list")
+    p.add_argument(
+        "--placement-blind",
+        action="store_true",
+        help="des: the router is not told the pods' nodes (ablation of topology-aware pairs)",
+    )
     p.add_argument("--profile", default="h100-llama-3.1-8b", choices=sorted(PROFILES))
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--time-scale", type=float, default=4.0, help="wall s per simulated s")
@@ -580,6 +603,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.engines = min(args.engines, 3)
     if args.engines < 2:
         raise SystemExit("bench pd: needs at least two engines")
+    if args.mode == "des":
+        from kvplane.bench.pd_des import run as run_des
+
+        return run_des(args)
+    if args.gpus_per_node:
+        raise SystemExit("bench pd: --gpus-per-node needs --mode des (one link class over HTTP)")
+    if args.prefill is not None and not str(args.prefill).isdigit():
+        raise SystemExit("bench pd: over HTTP --prefill is one number")
     modes = csv_list(args.modes)
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -598,7 +629,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             hit = oracle_hit_ratio(wl, args.block_size)
             split = split_for(wl, profile, args.engines, hit)
             if args.prefill is not None:
-                split = with_prefill(split, args.prefill)
+                split = with_prefill(split, int(args.prefill))
             reason = split.why() + (" (set by --prefill)" if args.prefill is not None else "")
             print(f"{wname}: {wl.description}; {reason}", flush=True)
             described.append(

@@ -227,7 +227,7 @@ class _Sim:
         self.rr = RoundRobin()
         self.live: dict[str, _Live] = {}
         self.results: list[RequestResult] = []
-        self.heap: list[tuple[float, int, _StepEnd | _Delivery]] = []
+        self.heap: list[tuple[float, int, object]] = []
         self.seq = 0
         self.router_cpu = 0.0
         self.decisions: Counter[str] = Counter()  # by reason, as the router's metric
@@ -237,7 +237,7 @@ class _Sim:
 
     # ----------------------------------------------------------------- plumbing
 
-    def _push(self, t: float, item: _StepEnd | _Delivery) -> None:
+    def _push(self, t: float, item: object) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, item))
 
@@ -306,22 +306,27 @@ class _Sim:
         self.predicted_cached += terms.cached_tokens if terms is not None else 0
         uncached = len(tokens) - (terms.cached_tokens if terms is not None else 0)
         self.pool.note_routed(decision.pod, uncached, now=t)
-        attempt = Attempt(self.pool.states[decision.pod], uncached, t)
-        attempt.begin()
         self.router_cpu += time.process_time() - cpu0
+        self._submit(f"r{idx}", req, tokens, decision.pod, uncached, t)
 
-        eng = self.engines[decision.pod]
-        rid = f"r{idx}"
+    def _submit(
+        self, rid: str, req: TraceRequest, tokens: list[int], pod: str, uncached: int, t: float
+    ) -> _Live | None:
+        """Send the request to ``pod`` as the proxy does (its ``Attempt`` accounting)."""
+        attempt = Attempt(self.pool.states[pod], uncached, t)
+        attempt.begin()
+        eng = self.engines[pod]
         self._snap(eng, t)
         try:
             eng.core.add_request(SimRequest(rid, tokens, max_tokens=req.output_tokens))
         except ValueError as exc:  # too long for the engine: vLLM answers 400
             attempt.end()
             self._fail(req, len(tokens), eng.name, str(exc))
-            return
-        self.live[rid] = _Live(req, eng, attempt, len(tokens))
+            return None
+        lv = self.live[rid] = _Live(req, eng, attempt, len(tokens))
         if not eng.busy:
             self._start_step(eng, t)
+        return lv
 
     def _step_done(self, eng: _Engine, out: StepOutput, t: float) -> None:
         for rid, toks in out.new_tokens.items():
@@ -391,6 +396,15 @@ class _Sim:
 
     # ----------------------------------------------------------------- loop
 
+    async def _handle(self, item: object, t: float) -> None:
+        """One event off the heap (subclasses add kinds of their own)."""
+        if isinstance(item, _StepEnd):
+            self._step_done(item.engine, item.out, t)
+        elif isinstance(item, _Delivery):
+            await self._deliver(item.pod, item.events, t)
+        else:
+            raise TypeError(f"unknown event {item!r}")
+
     async def run(self) -> float:
         """Play every event; returns the virtual time of the last one."""
         for name in self.engines:
@@ -406,10 +420,7 @@ class _Sim:
                 if t > horizon:
                     break
                 self.clock.now = t
-                if isinstance(item, _StepEnd):
-                    self._step_done(item.engine, item.out, t)
-                else:
-                    await self._deliver(item.pod, item.events, t)
+                await self._handle(item, t)
             elif i < n:
                 t = next_arrival
                 self.clock.now = t
