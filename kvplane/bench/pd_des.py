@@ -64,6 +64,8 @@ GROUP_KEY = (
     "placement_blind",
     "workload",
     "seed",
+    "requests",
+    "offered_rps",
 )
 
 
