@@ -222,6 +222,13 @@ def with_prefill(split: Split, prefill: int) -> Split:
     )
 
 
+def roles_for(mode: str, engines: int, prefill: int) -> list[str]:
+    """Every engine ``both`` (aggregated, conditional-flex), else the P/D fleet's roles."""
+    if mode in ("aggregated", FLEX):
+        return ["both"] * engines
+    return ["prefill"] * prefill + ["decode"] * (engines - prefill)
+
+
 # --------------------------------------------------------------------------- routers
 
 # The router's default scrape interval (the routing benchmark scrapes every 0.5 s): half
@@ -357,7 +364,6 @@ def _decisions(port: int) -> dict[str, float]:
 
 
 ITL_FAMILY = "vllm:inter_token_latency_seconds"
-STALL_S = 0.1  # a token gap this long had a prefill chunk (or a KV wait) in its step
 
 
 def _token_gaps(engines: Sequence[EngineEndpoint]) -> list[dict[float, float]]:
@@ -408,15 +414,13 @@ def run_mode(
     rundir: Path,
 ) -> dict[str, Any]:
     """One mode on a fresh fleet: start, replay, collect, stop (everything it started)."""
+    roles = roles_for(mode, args.engines, split.prefill)
     if mode == "aggregated":
-        roles = ["both"] * args.engines
         extra: list[str] = []
     elif mode == FLEX:
-        roles = ["both"] * args.engines
         extra = ["--kv-role", "both", "--kv-connector", "nixl"]
         extra += ["--pd-link-gbps", str(args.pd_link_gbps)]
     else:
-        roles = ["prefill"] * split.prefill + ["decode"] * split.decode
         extra = ["--prefill", str(split.prefill), "--kv-connector", "nixl"]
         extra += ["--pd-link-gbps", str(args.pd_link_gbps)]
     fleet = start_fleet(args, facts.tokenizer, rundir, facts.block_size, extra)
@@ -489,7 +493,7 @@ def run_mode(
     gaps = pd_report.merge_delta(gaps0, gaps1)
     p99 = pd_report.bucket_quantile(gaps, 0.99)
     row["token_gap_p99_ms"] = None if p99 is None else round(p99 * 1000.0, 1)
-    stalled = pd_report.share_above(gaps, STALL_S)
+    stalled = pd_report.share_above(gaps, pd_report.STALL_S)
     row["stalled_token_share"] = None if stalled is None else round(stalled, 4)
     row["prefill_tokens_computed"] = sum(prefill.values())
     row["transferred_tokens"] = int(sum(s["transferred_tokens"] for s in engines.values()))

@@ -25,6 +25,18 @@ from typing import Any
 
 from kvplane.bench import pd_report
 from kvplane.bench.metrics import oracle_hit_ratio
+from kvplane.bench.pd import (
+    FLEX,
+    FLEX_AGGREGATE_MAX,
+    KVPLANE_MODES,
+    PREFILL_HEAVY,
+    _limit,
+    _rate,
+    _trace,
+    build,
+    roles_for,
+    split_for,
+)
 from kvplane.bench.procs import (
     bench_relative,
     csv_list,
@@ -40,8 +52,6 @@ from kvplane.sim.des_pd import Topology, run_des_pd
 from kvplane.sim.profiles import PROFILES
 
 SECTION = "## Prefill/decode disaggregation in virtual time (DES)"
-DES_MODES = ("aggregated", "disaggregated", "conditional", "conditional-flex")
-FLEX_AGGREGATE_MAX = 1 << 30
 # What makes two rows the same measurement (a rerun replaces, never mixes).
 ROW_KEY = (
     "workload",
@@ -88,15 +98,9 @@ def pd_spec(
     base: dict[str, Any] = {"connector": "nixl", "links": links}
     if mode == "disaggregated":
         base["aggregate_max_uncached_tokens"] = 0
-    elif mode == "conditional-flex":
+    elif mode == FLEX:
         base["aggregate_max_uncached_tokens"] = FLEX_AGGREGATE_MAX
     return PDSpec.model_validate({**base, **settings})
-
-
-def roles_for(mode: str, engines: int, prefill: int) -> list[str]:
-    if mode in ("aggregated", "conditional-flex"):
-        return ["both"] * engines
-    return ["prefill"] * prefill + ["decode"] * (engines - prefill)
 
 
 def fleet_label(row: Mapping[str, Any]) -> str:
@@ -124,18 +128,18 @@ def splits_for(args: argparse.Namespace, sized: int, engines: int) -> list[int]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Every workload x seed: aggregated once, the P/D modes at every split asked for."""
-    from kvplane.bench.pd import PREFILL_HEAVY, _limit, _rate, _trace, build, split_for
-
-    modes = [m for m in csv_list(args.modes) if m in DES_MODES]
-    skipped = [m for m in csv_list(args.modes) if m not in DES_MODES]
+    modes = [m for m in csv_list(args.modes) if m in KVPLANE_MODES]
+    skipped = [m for m in csv_list(args.modes) if m not in KVPLANE_MODES]
     if skipped:
         print(f"bench pd --mode des: {', '.join(skipped)} run over HTTP only; skipped")
     profile = PROFILES[args.profile]
     links = links_for(args.pd_link_gbps, args.nvlink_gbps, args.gpus_per_node)
     topology = Topology(args.gpus_per_node, router_sees_nodes=not args.placement_blind)
     seeds = [int(s) for s in csv_list(args.seeds)]
-    conditional = parse_settings(args.conditional_set)
-    flex = parse_settings(args.flex_set)
+    settings = {
+        "conditional": parse_settings(args.conditional_set),
+        FLEX: parse_settings(args.flex_set),
+    }
     rows: list[dict[str, Any]] = []
     for wname in csv_list(args.workloads):
         # only the generated prefill-heavy prompts vary with the seed; the traces are fixed
@@ -145,10 +149,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sized = split_for(wl, profile, args.engines, hit)
             print(f"{wname} seed {seed}: {wl.description}; sized {sized.why()}", flush=True)
             for mode in modes:
-                splits = [0] if mode in ("aggregated", "conditional-flex") else None
-                for p in splits or splits_for(args, sized.prefill, args.engines):
-                    settings = conditional if mode == "conditional" else flex
-                    spec = pd_spec(mode, links, settings if mode.startswith("cond") else {})
+                # every engine `both`: no split (0); else each P/D split asked for
+                both = mode in ("aggregated", FLEX)
+                for p in [0] if both else splits_for(args, sized.prefill, args.engines):
+                    spec = pd_spec(mode, links, settings.get(mode, {}))
                     res = run_des_pd(
                         wl,
                         roles_for(mode, args.engines, p),
@@ -202,12 +206,12 @@ def check_targets(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     the same group (conditional-flex has no split: it goes with every one)."""
     out: list[dict[str, Any]] = []
     for members in groups(rows).values():
-        shared = [r for r in members if r["router"] in ("aggregated", "conditional-flex")]
+        shared = [r for r in members if r["router"] in ("aggregated", FLEX)]
         splits = dict.fromkeys(r["split"] for r in members if r not in shared) or {"": None}
         for split in splits:
             sub = [*shared, *(r for r in members if r["split"] == split and r not in shared)]
             for t in pd_report.check_targets(sub):
-                if t["mode"] == "conditional-flex" and split != next(iter(splits)):
+                if t["mode"] == FLEX and split != next(iter(splits)):
                     continue  # one verdict per flex row
                 first = sub[0]
                 t["fleet"] = fleet_label(first)

@@ -30,6 +30,7 @@ PREFILL_HEAVY = "prefill-heavy"
 # that started over 100 ms of wall time late, because the shared machine was busy)
 # measured the machine as much as the fleet: its targets are marked untrusted.
 MAX_RESYNCS = 20
+STALL_S = 0.1  # a token gap this long had a prefill chunk (or a KV wait) in its step
 TTFT_SLACK = 1.05  # conditional TTFT p90 <= 1.05 x the better of aggregated, disaggregated
 ITL_RATIO = 0.7  # conditional ITL p99 <= 0.7 x aggregated under prefill-heavy load
 DECISIONS_FAMILY = "kvplane_router_pd_decisions"

@@ -310,11 +310,20 @@ class _Sim:
         self._submit(f"r{idx}", req, tokens, decision.pod, uncached, t)
 
     def _submit(
-        self, rid: str, req: TraceRequest, tokens: list[int], pod: str, uncached: int, t: float
-    ) -> _Live | None:
-        """Send the request to ``pod`` as the proxy does (its ``Attempt`` accounting)."""
-        attempt = Attempt(self.pool.states[pod], uncached, t)
-        attempt.begin()
+        self,
+        rid: str,
+        req: TraceRequest,
+        tokens: list[int],
+        pod: str,
+        uncached: int,
+        t: float,
+        attempt: Attempt | None = None,
+    ) -> None:
+        """Send the request to ``pod`` as the proxy does (its ``Attempt`` accounting);
+        ``attempt``: one the router began earlier (a decode leg sent before its KV came)."""
+        if attempt is None:
+            attempt = Attempt(self.pool.states[pod], uncached, t)
+            attempt.begin()
         eng = self.engines[pod]
         self._snap(eng, t)
         try:
@@ -322,11 +331,10 @@ class _Sim:
         except ValueError as exc:  # too long for the engine: vLLM answers 400
             attempt.end()
             self._fail(req, len(tokens), eng.name, str(exc))
-            return None
-        lv = self.live[rid] = _Live(req, eng, attempt, len(tokens))
+            return
+        self.live[rid] = _Live(req, eng, attempt, len(tokens))
         if not eng.busy:
             self._start_step(eng, t)
-        return lv
 
     def _step_done(self, eng: _Engine, out: StepOutput, t: float) -> None:
         for rid, toks in out.new_tokens.items():

@@ -32,10 +32,17 @@ import math
 import time
 from array import array
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Final
 
-from kvplane.bench.metrics import RequestResult, RunRecord, computed_prefill, summarize
+from kvplane.bench.metrics import (
+    RequestResult,
+    RunRecord,
+    computed_prefill,
+    percentile,
+    summarize,
+)
+from kvplane.bench.pd_report import STALL_S
 from kvplane.bench.workloads import PromptBuilder, TraceRequest, Workload, synthetic_tokens
 from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import Backend, BackendRole, LinkClass, PDSpec
@@ -281,17 +288,8 @@ class _PDSim(_Sim):
         simpd.unpin(self.engines[h.prefill].core, x.pinned)
         rid = f"r{h.idx}"
         attempt = self.decode_attempts.pop(rid)
-        try:
-            dst.core.add_request(SimRequest(rid, h.tokens, max_tokens=h.req.output_tokens))
-        except ValueError as exc:
-            attempt.end()
-            self._release(rid)
-            self._fail(h.req, len(h.tokens), dst.name, str(exc))
-            return
-        self.live[rid] = _Live(h.req, dst, attempt, len(h.tokens))
+        self._submit(rid, h.req, h.tokens, h.decode, 0, t, attempt)
         self.pending_marks.append((h.decode, h.keys, h.matches))
-        if not dst.busy:
-            self._start_step(dst, t)
 
     def _finish(self, rid: str, lv: _Live, t: float) -> None:
         self._release(rid)
@@ -307,23 +305,13 @@ class _PDSim(_Sim):
             await self._mark(*self.pending_marks.pop())
 
 
-STALL_S: Final = 0.1  # a token gap this long had a prefill chunk (or a KV wait) in its step
-
-
 @dataclass(slots=True)
 class PDRun:
     """One run's row (``RunRecord`` with the P/D figures in ``extra``) and its results."""
 
     record: RunRecord
     results: list[RequestResult]
-    gaps_s: array[float] = field(default_factory=lambda: array("d"))
-
-
-def _quantile(xs: Sequence[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+    gaps_s: array[float]  # every token gap of every request
 
 
 def run_des_pd(
@@ -378,9 +366,8 @@ def run_des_pd(
         f"kv events +{kv_event_delay_s:g}s",
     )
     gaps = sim.gaps
-    p99 = _quantile(gaps, 0.99)
     x = record.extra
-    x["token_gap_p99_ms"] = None if p99 is None else round(p99 * 1000.0, 1)
+    x["token_gap_p99_ms"] = round(percentile(gaps, 99) * 1000.0, 1) if gaps else None
     x["stalled_token_share"] = (
         round(sum(1 for g in gaps if g > STALL_S) / len(gaps), 4) if gaps else None
     )
