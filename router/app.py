@@ -409,6 +409,7 @@ async def _forward(
             lines,
             d.ranked,
             uncached,
+            n,
             req.stream,
             headers_for,
             on_reported,

@@ -3,8 +3,9 @@
     ttft = queue + transfer + recompute
 
 - queue: prefill work already waiting on the pod (tokens the router has sent
-  and not yet seen a first token for, plus requests the engine reports waiting
-  beyond those), at the pod's prefill throughput; plus decode interference
+  and not yet seen a first token for, plus requests the engine reported waiting
+  beyond those the router had pending when it scraped), at the pod's prefill
+  throughput; plus decode interference
   from running requests; plus a penalty when the KV cache is nearly full
   (preemptions ahead).
 - transfer: blocks held only in a slower tier are loaded (tier latency + bytes
@@ -33,7 +34,9 @@ class PodLoad:
     pending_prefill_tokens: int = 0  # router-tracked, sent and awaiting first token
     pending_requests: int = 0  # router-tracked count of the above
     inflight: int = 0  # router-tracked requests not finished
+    inflight_tokens: int = 0  # their prompt tokens: the KV a decode step reads there
     engine_waiting: float = 0.0  # vllm:num_requests_waiting (scraped)
+    scraped_pending_requests: int = 0  # pending_requests when that scrape was taken
     engine_running: float = 0.0  # vllm:num_requests_running (scraped)
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (scraped)
     recent_prefill_tokens: float = 0.0  # router-sent uncached tokens, decayed (half-life)
@@ -53,11 +56,19 @@ class CostTerms:
         return self.queue_ms + self.transfer_ms + self.recompute_ms
 
 
-def queue_ms(load: PodLoad, params: CostParams, mean_request_tokens: float) -> float:
-    unseen_waiting = max(0.0, load.engine_waiting - load.pending_requests)
+def pending_prefill_ms(load: PodLoad, params: CostParams, mean_request_tokens: float) -> float:
+    """Prefill already queued on the pod, at its prefill throughput."""
+    # Requests waiting that the router did not send (another replica's, a direct
+    # client's), counted against the router's pending at the scrape's instant: a scrape
+    # is up to an interval old, and its waiting requests may have started since.
+    unseen_waiting = max(0.0, load.engine_waiting - load.scraped_pending_requests)
     pending = load.pending_prefill_tokens + unseen_waiting * mean_request_tokens
+    return pending / params.prefill_tokens_per_s * 1000.0
+
+
+def queue_ms(load: PodLoad, params: CostParams, mean_request_tokens: float) -> float:
     running = max(load.engine_running, float(load.inflight - load.pending_requests))
-    wait = pending / params.prefill_tokens_per_s * 1000.0
+    wait = pending_prefill_ms(load, params, mean_request_tokens)
     wait += running * params.running_step_ms_per_request
     if load.kv_usage >= params.kv_pressure_threshold:
         wait += params.kv_pressure_penalty_ms

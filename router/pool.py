@@ -31,7 +31,9 @@ class BackendState:
     stats: EngineStats = field(default_factory=EngineStats)
     pending_tokens: int = 0
     pending_requests: int = 0
+    scraped_pending_requests: int = 0  # pending_requests when ``stats`` was scraped
     inflight: int = 0
+    inflight_tokens: int = 0  # prompt tokens of the requests in flight here
     unhealthy_since: float | None = None
     slow_scrapes: int = 0  # consecutive scrapes that timed out
     recent_tokens: float = 0.0  # uncached prompt tokens routed here, decayed
@@ -49,13 +51,30 @@ class BackendState:
         self.recent_tokens = self.recent(now) + tokens
         self.recent_at = now
 
+    def book(self, context_tokens: int) -> None:
+        """A request is in flight here (sent, or booked for a decode leg to come)."""
+        self.inflight += 1
+        self.inflight_tokens += context_tokens
+
+    def unbook(self, context_tokens: int) -> None:
+        self.inflight -= 1
+        self.inflight_tokens -= context_tokens
+
+    def observe(self, stats: EngineStats) -> None:
+        """A fresh scrape: remember what the router had pending at that instant, which
+        is what the engine's waiting count can be compared with until the next one."""
+        self.stats = stats
+        self.scraped_pending_requests = self.pending_requests
+
     def load(self, now: float | None = None) -> PodLoad:
         return PodLoad(
             recent_prefill_tokens=self.recent(time.monotonic() if now is None else now),
             pending_prefill_tokens=self.pending_tokens,
             pending_requests=self.pending_requests,
             inflight=self.inflight,
+            inflight_tokens=self.inflight_tokens,
             engine_waiting=self.stats.waiting,
+            scraped_pending_requests=self.scraped_pending_requests,
             engine_running=self.stats.running,
             kv_usage=self.stats.kv_usage,
         )
@@ -138,7 +157,7 @@ class Scraper:
         else:
             state.slow_scrapes = 0
         if ok and metrics is not None and metrics.status_code == 200:
-            state.stats = parse_metrics(metrics.text)
+            state.observe(parse_metrics(metrics.text))
         if ok and not state.healthy:
             log.info("backend %s healthy again", name)
             state.healthy, state.unhealthy_since = True, None

@@ -56,6 +56,7 @@ class Attempt:
     state: BackendState
     uncached_tokens: int
     started: float
+    context_tokens: int = 0  # the prompt: the KV the request holds there while in flight
     first_byte: bool = False
     done: bool = False
 
@@ -63,7 +64,7 @@ class Attempt:
         s = self.state
         s.pending_tokens += self.uncached_tokens
         s.pending_requests += 1
-        s.inflight += 1
+        s.book(self.context_tokens)
 
     def first(self) -> None:
         if not self.first_byte:
@@ -75,7 +76,7 @@ class Attempt:
         if not self.done:
             self.first()
             self.done = True
-            self.state.inflight -= 1
+            self.state.unbook(self.context_tokens)
 
 
 def forward_headers(headers: Mapping[str, str], request_id: str) -> dict[str, str]:
@@ -136,6 +137,7 @@ class Proxy:
         header_lines: bytes,
         ranked: list[str],
         uncached_tokens: Mapping[str, int],
+        prompt_tokens: int,
         stream: bool,
         response_headers: Callable[[str, int], dict[str, str]],
         on_reported: Callable[[int], None],
@@ -156,7 +158,9 @@ class Proxy:
             tried += 1
             if tried > 1:
                 self._m.retries.labels(**self._m.labels, pod=pod).inc()
-            attempt = Attempt(state, uncached_tokens.get(pod, 0), time.perf_counter())
+            attempt = Attempt(
+                state, uncached_tokens.get(pod, 0), time.perf_counter(), prompt_tokens
+            )
             attempt.begin()
             try:
                 resp = await self._fwd.post(state.backend.url, path, header_lines, body)

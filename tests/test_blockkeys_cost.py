@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
 from kvplane.router.choice import Reason, choose_by_cost, over_cap, sticky_order
-from kvplane.router.config import CostParams, TierCost
+from kvplane.router.config import Backend, CostParams, TierCost
 from kvplane.router.cost import PodLoad, predict
+from kvplane.router.engine_stats import EngineStats
 from kvplane.router.generation import generation_tag
+from kvplane.router.pool import BackendState
 from kvplane.router.tiers import Tier
 
 ROOT = generation_root("gen-a")
@@ -74,9 +76,27 @@ def test_an_unconfigured_tier_is_never_loaded() -> None:
 
 
 def test_queue_counts_pending_tokens_and_unseen_waiting() -> None:
-    load = PodLoad(pending_prefill_tokens=2000, pending_requests=1, engine_waiting=3)
+    # the scrape saw 3 waiting while the router had 1 pending: 2 came from elsewhere
+    load = PodLoad(
+        pending_prefill_tokens=2000,
+        pending_requests=1,
+        engine_waiting=3,
+        scraped_pending_requests=1,
+    )
     t = predict("p", 10, match(), load, P, 10, 1000, 500)
     assert t.queue_ms == pytest.approx((2000 + 2 * 500) / 10000 * 1000)
+
+
+def test_a_stale_scrape_of_the_routers_own_requests_adds_no_queue() -> None:
+    """The scrape saw the router's 3 requests waiting; they have started since (nothing
+    pending now). Compared with pending now, they would be 3 phantom prompts."""
+    load = PodLoad(engine_waiting=3, scraped_pending_requests=3)
+    assert predict("p", 10, match(), load, P, 10, 1000, 500).queue_ms == 0.0
+    state = BackendState(Backend(name="p", url="http://p"))
+    state.pending_requests = 3
+    state.observe(EngineStats(waiting=3.0))
+    state.pending_requests = 0
+    assert state.load(now=0.0).scraped_pending_requests == 3
     hot = predict("p", 10, match(), PodLoad(kv_usage=0.95), P, 10, 1000, 500)
     assert hot.queue_ms == pytest.approx(P.kv_pressure_penalty_ms)
 

@@ -7,6 +7,7 @@ before its first byte, a prefill answer without a KV handle."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,6 +134,19 @@ def test_long_prompt_is_handed_off_from_prefill_to_decode(
         assert parts[0] is not None and "|kv:engine-" in parts[0] and parts[1:] == ["|t1", "|t2"]
         assert metric(router, 'kvplane_router_pd_decisions_total|reason="disaggregated"') == 2
         assert metric(router, "kvplane_router_pd_predicted_transfer_bytes_total|same_zone") > 0
+        # the booking of the decode pod and every leg's accounting were undone
+        assert accounting_settles(router)
+
+
+def accounting_settles(router: RunningRouter) -> bool:
+    """Every pod's router-tracked load back at zero (a stream's relay ends just after
+    the client read its last chunk: bounded wait)."""
+    for _ in range(200):
+        states = router.router.pool.states.values()
+        if all(s.inflight == s.inflight_tokens == s.pending_requests == 0 for s in states):
+            return True
+        time.sleep(0.01)
+    return False
 
 
 @pytest.mark.parametrize("protocol", ("nixl", "mooncake"))

@@ -247,10 +247,12 @@ class _Sim:
         if eng.snap_tick >= tick:
             return
         st = eng.core.stats()
-        self.pool.states[eng.name].stats = ScrapedStats(
-            waiting=float(st.num_waiting),
-            running=float(st.num_running),
-            kv_usage=st.kv_cache_usage,
+        self.pool.states[eng.name].observe(
+            ScrapedStats(
+                waiting=float(st.num_waiting),
+                running=float(st.num_running),
+                kv_usage=st.kv_cache_usage,
+            )
         )
         eng.snap_tick = tick
 
@@ -322,7 +324,7 @@ class _Sim:
         """Send the request to ``pod`` as the proxy does (its ``Attempt`` accounting);
         ``attempt``: one the router began earlier (a decode leg sent before its KV came)."""
         if attempt is None:
-            attempt = Attempt(self.pool.states[pod], uncached, t)
+            attempt = Attempt(self.pool.states[pod], uncached, t, len(tokens))
             attempt.begin()
         eng = self.engines[pod]
         self._snap(eng, t)

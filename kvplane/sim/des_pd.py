@@ -15,10 +15,10 @@ handoff plays out as vLLM's NixlConnector does it:
 3. the client's first token is the decode engine's first token.
 
 The router-side accounting mirrors ``kvplane.router.pd.handoff``: the prefill leg's
-``Attempt`` on the prefill pod, the decode pod booked from the choice to the end,
-the decode leg's ``Attempt`` from the prefill's answer. With no faults to inject,
-the only fallback is the one vLLM forces: a prompt under one block has no KV to hand
-off and is prefilled on the decode pod (``aggregated_no_kv_params``).
+``Attempt`` on the prefill pod, the decode pod booked from the choice until the
+decode leg is sent, the decode leg's ``Attempt`` from the prefill's answer. With no
+faults to inject, the only fallback is the one vLLM forces: a prompt under one block
+has no KV to hand off and is prefilled on the decode pod (``aggregated_no_kv_params``).
 
 What the HTTP benchmark cannot give, this does: runs that do not depend on the
 machine's load (the same arguments give the same figures), fleets of any size, and
@@ -142,7 +142,8 @@ class _PDSim(_Sim):
         # what the router is told of it (nothing: every pair looks one zone apart)
         self.labels = self.placement if topology.router_sees_nodes else {}
         self.handoffs: dict[str, _Handoff] = {}  # by the prefill leg's request id
-        self.booked: dict[str, BackendState] = {}  # decode pods booked, by request id
+        # decode pods booked until the decode leg is sent (and the prompt's tokens)
+        self.booked: dict[str, tuple[BackendState, int]] = {}
         self.links: dict[tuple[str, LinkClass], simpd.Link] = {}
         self.gaps = array("d")  # every gap between two output tokens of a request, s
         self.transfers: dict[LinkClass, list[int]] = {}  # class -> [handoffs, tokens moved]
@@ -200,9 +201,9 @@ class _PDSim(_Sim):
             self._submit(rid, req, tokens, d.decode, uncached, t)
             return
         booked = states[d.decode]
-        booked.inflight += 1
-        self.booked[rid] = booked
-        attempt = Attempt(states[d.prefill], uncached, t)
+        booked.book(len(tokens))
+        self.booked[rid] = (booked, len(tokens))
+        attempt = Attempt(states[d.prefill], uncached, t, len(tokens))
         attempt.begin()
         self.router_cpu += time.process_time() - cpu0
         eng = self.engines[d.prefill]
@@ -230,7 +231,7 @@ class _PDSim(_Sim):
     def _release(self, rid: str) -> None:
         booked = self.booked.pop(rid, None)
         if booked is not None:
-            booked.inflight -= 1
+            booked[0].unbook(booked[1])
 
     # ----------------------------------------------------------------- the handoff
 
@@ -272,8 +273,10 @@ class _PDSim(_Sim):
         stat[1] += moved
         link = self.links.setdefault((h.decode, cls), simpd.Link())
         end = link.reserve(t, seconds)
-        # the decode leg is sent now: the router counts it on the decode pod from here
-        attempt = Attempt(self.pool.states[h.decode], 0, t)
+        # the decode leg is sent now: the router counts it on the decode pod from here,
+        # and the booking that stood in for it until now ends
+        self._release(rid)
+        attempt = Attempt(self.pool.states[h.decode], 0, t, len(h.tokens))
         attempt.begin()
         self.decode_attempts[rid] = attempt
         self._push(end, _TransferEnd(h, hashes[: len(pinned)], pinned))
@@ -347,6 +350,13 @@ def run_des_pd(
     prof = profile_for(profile, block_size)
     sim = _PDSim(workload, roles, pd, topology or Topology(), prof, builder, seed, opts, progress)
     end = asyncio.run(sim.run())
+    left = {
+        n: (s.inflight, s.inflight_tokens, s.pending_requests, s.pending_tokens)
+        for n, s in sim.pool.states.items()
+        if s.inflight or s.inflight_tokens or s.pending_requests or s.pending_tokens
+    }
+    if left:  # every booking and leg must be undone, as in the live router
+        raise RuntimeError(f"router accounting left after the run: {left}")
     results = sorted(sim.results, key=lambda r: r.arrival_s)
     start = workload.requests[0].arrival_s if workload.requests else 0.0
     span = max(end - start, 1e-9)

@@ -101,7 +101,11 @@ def interference_ms(recompute_ms: float, running: float, params: CostParams, pd:
 
 
 def balance_ms(load: PodLoad, pd: PDSpec) -> float:
-    return running_requests(load) * pd.decode_running_ms + load.kv_usage * pd.decode_kv_weight_ms
+    return (
+        running_requests(load) * pd.decode_running_ms
+        + load.inflight_tokens / 1000.0 * pd.decode_context_ms_per_ktok
+        + load.kv_usage * pd.decode_kv_weight_ms
+    )
 
 
 def exposure_ms(
@@ -130,11 +134,13 @@ def pair_cost(
     kv_bytes_per_token: int,
     prefill_running: float = 0.0,
     decode_exposure_ms: float = 0.0,
+    decode_pending_ms: float = 0.0,
 ) -> OptionCost:
     """Prefill on ``prefill_terms.pod``, decode on ``decode``. The decode pod pulls
     only the blocks it does not hold already (vLLM counts its local prefix hit
     first, then loads the rest remotely). ``prefill_running``: requests decoding on
-    the prefill pod (a ``both`` pod), which its prefill stalls."""
+    the prefill pod (a ``both`` pod), which its prefill stalls. ``decode_pending_ms``:
+    prefill already queued on the decode pod, which its first step waits behind."""
     tokens = max(0, prompt_tokens - max(0, decode_resident_tokens))
     return OptionCost(
         prefill=prefill_terms.pod,
@@ -144,7 +150,7 @@ def pair_cost(
         transfer_tokens=tokens,
         transfer_bytes=tokens * kv_bytes_per_token,
         transfer_ms=transfer_ms(tokens, kv_bytes_per_token, link),
-        decode_ms=decode_step_ms(decode_load, params),
+        decode_ms=decode_pending_ms + decode_step_ms(decode_load, params),
         interference_ms=interference_ms(prefill_terms.recompute_ms, prefill_running, params, pd),
         balance_ms=balance_ms(decode_load, pd),
         backlog_ms=backlog_ms(prefill_terms, params),

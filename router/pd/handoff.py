@@ -23,7 +23,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -34,7 +34,7 @@ from kvplane.router.pd import protocols
 from kvplane.router.pd.choice import PDDecision, PDReason, choose_pd
 from kvplane.router.pd.cost import OptionCost
 from kvplane.router.pipeline import RoutingPipeline
-from kvplane.router.pool import Pool
+from kvplane.router.pool import BackendState, Pool
 from kvplane.router.proxy import Attempt, reported_cached_tokens
 from kvplane.router.request import ParsedRequest
 from kvplane.router.telemetry import RouterMetrics
@@ -62,12 +62,32 @@ class ClientError(Exception):
         self.status, self.content, self.headers = status, content, dict(headers)
 
 
+@dataclass(slots=True)
+class Booking:
+    """The decode pod counted busy from the choice until a decode leg's own ``Attempt``
+    counts it, so that requests arriving while the prefill runs see it taken."""
+
+    state: BackendState | None = None
+    tokens: int = 0
+
+    def hold(self, state: BackendState | None, tokens: int) -> None:
+        if state is not None:
+            state.book(tokens)
+            self.state, self.tokens = state, tokens
+
+    def release(self) -> None:
+        if self.state is not None:
+            self.state.unbook(self.tokens)
+            self.state = None
+
+
 @dataclass(frozen=True, slots=True)
 class PDRouted:
     tokens: list[int]
     keys: list[int]
     decision: PDDecision
     matches: PrefixMatches | None
+    booking: Booking = field(default_factory=Booking)
 
 
 @dataclass
@@ -219,16 +239,13 @@ class PDService:
             return await self._aggregated(routed, body, path, headers, request_id, d.reason, 0)
         # The decode pod is booked while the prefill runs (its own leg starts later), so
         # that requests arriving meanwhile see it busy and decode work spreads.
-        booked = self.pool.states.get(d.decode)
-        if booked is not None:
-            booked.inflight += 1
+        routed.booking.hold(self.pool.states.get(d.decode), len(routed.tokens))
         try:
             if self.pd.connector is PDConnector.NIXL:
                 return await self._nixl(routed, body, path, headers, request_id)
             return await self._concurrent(routed, body, path, headers, request_id)
         finally:
-            if booked is not None:
-                booked.inflight -= 1
+            routed.booking.release()
 
     def _count_leg(self, leg: str, outcome: str) -> None:
         m = self.metrics
@@ -283,7 +300,7 @@ class PDService:
             if prefill_pod is None:
                 uncached = len(routed.tokens) - d.aggregated[pod].prefill_terms.cached_tokens
             try:
-                opened = await self._open(pod, path, raw, headers, uncached)
+                opened = await self._open(pod, path, raw, headers, uncached, routed)
             except LegFailed as exc:
                 self._decode_failed(exc, last=tries == len(order))
                 continue
@@ -431,7 +448,7 @@ class PDService:
             p_body = d_body = protocols.sglang_body(body, host, port, rooms)
         p_raw, d_raw = json.dumps(p_body).encode(), json.dumps(d_body).encode()
         p_task = asyncio.create_task(self._prefill(prefill, path, p_raw, leg_headers, routed))
-        d_task = asyncio.create_task(self._open(decode, path, d_raw, leg_headers, 0))
+        d_task = asyncio.create_task(self._open(decode, path, d_raw, leg_headers, 0, routed))
         try:
             pending: set[asyncio.Task[Any]] = {p_task, d_task}
             while pending:
@@ -464,7 +481,9 @@ class PDService:
             raise LegFailed(pod, "not healthy")
         option = _option_for(routed.decision, pod)
         cached = option.prefill_terms.cached_tokens if option is not None else 0
-        attempt = Attempt(state, len(routed.tokens) - cached, time.perf_counter())
+        attempt = Attempt(
+            state, len(routed.tokens) - cached, time.perf_counter(), len(routed.tokens)
+        )
         attempt.begin()
         url = state.backend.url.rstrip("/") + path
         try:
@@ -490,15 +509,23 @@ class PDService:
         return httpx.Timeout(self.pd.prefill_timeout_s, connect=self.config.connect_timeout_s)
 
     async def _open(
-        self, pod: str, path: str, raw: bytes, headers: dict[str, str], uncached: int
+        self,
+        pod: str,
+        path: str,
+        raw: bytes,
+        headers: dict[str, str],
+        uncached: int,
+        routed: PDRouted,
     ) -> Opened:
         """Send a decode leg and wait for its status line; failures before it are
-        LegFailed (the caller retries elsewhere)."""
+        LegFailed (the caller retries elsewhere). From here the leg's ``Attempt`` counts
+        the request on the decode pod, so the booking ends."""
         state = self.pool.states.get(pod)
         if state is None or not state.healthy:
             raise LegFailed(pod, "not healthy")
-        attempt = Attempt(state, uncached, time.perf_counter())
+        attempt = Attempt(state, uncached, time.perf_counter(), len(routed.tokens))
         attempt.begin()
+        routed.booking.release()
         url = state.backend.url.rstrip("/") + path
         try:
             req = self.client.build_request("POST", url, content=raw, headers=headers)
