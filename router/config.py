@@ -180,13 +180,19 @@ class PDSpec(_Strict):
         "with both pods it keeps decodes away from the pods that prefill; 0 = off",
     )
     decode_running_ms: Annotated[float, Field(ge=0)] = Field(
-        default=0.5, description="decode choice: penalty per running request"
+        default=1.0, description="decode choice: penalty per running request"
     )
     decode_context_ms_per_ktok: Annotated[float, Field(ge=0)] = Field(
-        default=0.15,
+        default=0.0,
         description="decode choice: penalty per thousand prompt tokens in flight on the pod "
         "(router-tracked, so fresh between scrapes): a decode step reads every running "
         "request's KV, so long contexts slow a pod more than many short ones",
+    )
+    balance_decides_handoff: bool = Field(
+        default=True,
+        description="balance counts in the choice between the best pair and the best decode "
+        "pod prefilling alone; false: only in ranking pairs among pairs and lone pods among "
+        "themselves (shared-prefix loads: no handoff of a cache hit for a less busy pod)",
     )
     decode_kv_weight_ms: Annotated[float, Field(ge=0)] = Field(
         default=20.0, description="decode choice: penalty x KV cache usage (0..1)"

@@ -331,7 +331,25 @@ def test_balance_alone_never_hands_off_a_prompt_resident_on_a_decode_pod() -> No
     scores lower only through balance, so d1 serves it (computing its last token)."""
     labels = {"p0": place("n1", "z1"), "d0": place("n1", "z1"), "d1": place("n2", "z1")}
     busy = PodLoad(inflight=20, inflight_tokens=60_000)
+    pd = PD.model_copy(update={"balance_decides_handoff": False})
     d = choose_pd(
+        4000,
+        {"p0": hbm(250), "d1": hbm(250)},
+        {"p0": IDLE},
+        {"d0": IDLE, "d1": busy},
+        labels,
+        P,
+        pd,
+        BS,
+        KV,
+        1000.0,
+    )
+    assert d.reason == PDReason.RESIDENT_ON_DECODE and d.decode == "d1"
+    pair = next(o for o in d.options if o.prefill == "p0" and o.decode == "d0")
+    assert pair.score_ms < d.chosen.score_ms  # balance counted, the pair would win
+    assert pair.score_ms - pair.balance_ms > d.chosen.score_ms - d.chosen.balance_ms
+    # by default balance decides too, and the pair wins
+    dflt = choose_pd(
         4000,
         {"p0": hbm(250), "d1": hbm(250)},
         {"p0": IDLE},
@@ -343,10 +361,7 @@ def test_balance_alone_never_hands_off_a_prompt_resident_on_a_decode_pod() -> No
         KV,
         1000.0,
     )
-    assert d.reason == PDReason.RESIDENT_ON_DECODE and d.decode == "d1"
-    pair = next(o for o in d.options if o.prefill == "p0" and o.decode == "d0")
-    assert pair.score_ms < d.chosen.score_ms  # balance counted, the pair would win
-    assert pair.score_ms - pair.balance_ms > d.chosen.score_ms - d.chosen.balance_ms
+    assert dflt.disaggregated and (dflt.prefill, dflt.decode) == ("p0", "d0")
     # a real queue on d1 (not balance) is a reason to hand off
     queued = PodLoad(inflight=20, pending_prefill_tokens=5000, pending_requests=3)
     d2 = choose_pd(
@@ -356,7 +371,7 @@ def test_balance_alone_never_hands_off_a_prompt_resident_on_a_decode_pod() -> No
         {"d0": IDLE, "d1": queued},
         labels,
         P,
-        PD,
+        pd,
         BS,
         KV,
         1000.0,
@@ -368,12 +383,13 @@ def test_decode_balance_weighs_the_context_in_flight() -> None:
     """Same number of requests; d0's are long (a decode step reads all their KV)."""
     long_ctx = PodLoad(inflight=10, inflight_tokens=100_000)
     short_ctx = PodLoad(inflight=10, inflight_tokens=5_000)
+    pd = PD.model_copy(update={"decode_context_ms_per_ktok": 0.15})
     d = choose_pd(
-        4000, {}, {"p0": IDLE}, {"d0": long_ctx, "d1": short_ctx}, {}, P, PD, BS, KV, 1000.0
+        4000, {}, {"p0": IDLE}, {"d0": long_ctx, "d1": short_ctx}, {}, P, pd, BS, KV, 1000.0
     )
     assert d.decode == "d1"
     by_pod = {o.decode: o.balance_ms for o in d.options}
-    assert by_pod["d0"] - by_pod["d1"] == pytest.approx(95 * PD.decode_context_ms_per_ktok)
+    assert by_pod["d0"] - by_pod["d1"] == pytest.approx(95 * 0.15)
 
 
 def test_a_handoff_waits_behind_prefill_queued_on_its_decode_pod() -> None:

@@ -92,12 +92,13 @@ def _handoff_or_local(
     key: Callable[[OptionCost], tuple[bool, float, int, str, str]],
 ) -> OptionCost:
     """The best pair against the best decode pod prefilling alone, each already the
-    best of its kind by the full score. Between the two, balance does not count: it
-    spreads decodes over the pods a request could decode on, but it is no reason to
-    hand off. A handoff buys a less loaded decode pod with certain TTFT (a second leg,
-    a transfer, a decode step); on a shared-prefix load, counting balance here handed
-    off cache hits resident on a busier decode pod, 7% of the requests (bench pd
-    --mode des, GSP on 32 GPUs: TTFT p90 1.24x aggregated, 1.05x without)."""
+    best of its kind by the full score, with ``balance_decides_handoff`` off. Between
+    the two, balance does not count: it spreads decodes over the pods a request could
+    decode on, but it is no reason to hand off. A handoff buys a less loaded decode
+    pod with certain TTFT (a second leg, a transfer, a decode step); on a shared-prefix
+    load, counting balance here handed off 7% of the requests, cache hits resident on
+    a busier decode pod (bench pd --mode des, GSP on 32 GPUs: TTFT p90 1.24x
+    aggregated, 1.05x without)."""
     if handoff is None or local is None:
         best = handoff or local
         assert best is not None
@@ -208,7 +209,12 @@ def choose_pd(
         ranked = agg_ranked()
         best = aggregated[ranked[0]]
         return PDDecision(PDReason.NO_PREFILL, best, ranked, [], aggregated, [best])
-    best = _handoff_or_local(handoffs[0] if handoffs else None, local[0] if local else None, key)
+    if pd.balance_decides_handoff:
+        best = min([*handoffs[:1], *local[:1]], key=key)
+    else:
+        best = _handoff_or_local(
+            handoffs[0] if handoffs else None, local[0] if local else None, key
+        )
     options = [best, *(o for o in sorted([*handoffs, *local], key=key) if o is not best)]
     if best.prefill is None:
         reason = (
