@@ -80,6 +80,26 @@ class BackendState:
         )
 
 
+@dataclass(slots=True)
+class Booking:
+    """A P/D decode pod counted busy from the choice until a decode leg's own
+    ``Attempt`` counts it, so that requests arriving while the prefill runs see it
+    taken. Releasing twice is harmless."""
+
+    state: BackendState | None = None
+    tokens: int = 0
+
+    def hold(self, state: BackendState | None, tokens: int) -> None:
+        if state is not None:
+            state.book(tokens)
+            self.state, self.tokens = state, tokens
+
+    def release(self) -> None:
+        if self.state is not None:
+            self.state.unbook(self.tokens)
+            self.state = None
+
+
 class Pool:
     """Backends by name. Mutated only on the event loop."""
 

@@ -85,6 +85,8 @@ def test_queue_counts_pending_tokens_and_unseen_waiting() -> None:
     )
     t = predict("p", 10, match(), load, P, 10, 1000, 500)
     assert t.queue_ms == pytest.approx((2000 + 2 * 500) / 10000 * 1000)
+    hot = predict("p", 10, match(), PodLoad(kv_usage=0.95), P, 10, 1000, 500)
+    assert hot.queue_ms == pytest.approx(P.kv_pressure_penalty_ms)
 
 
 def test_a_stale_scrape_of_the_routers_own_requests_adds_no_queue() -> None:
@@ -97,8 +99,6 @@ def test_a_stale_scrape_of_the_routers_own_requests_adds_no_queue() -> None:
     state.observe(EngineStats(waiting=3.0))
     state.pending_requests = 0
     assert state.load(now=0.0).scraped_pending_requests == 3
-    hot = predict("p", 10, match(), PodLoad(kv_usage=0.95), P, 10, 1000, 500)
-    assert hot.queue_ms == pytest.approx(P.kv_pressure_penalty_ms)
 
 
 def test_cost_prefers_the_cached_pod_until_its_queue_costs_more() -> None:

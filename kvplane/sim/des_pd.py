@@ -48,7 +48,7 @@ from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import Backend, BackendRole, LinkClass, PDSpec
 from kvplane.router.pd.choice import PDReason, choose_pd
 from kvplane.router.pd.topology import link_class, link_cost, transfer_ms
-from kvplane.router.pool import BackendState
+from kvplane.router.pool import Booking
 from kvplane.router.proxy import Attempt
 from kvplane.router.tiers import Tier
 from kvplane.sim import pd as simpd
@@ -57,7 +57,6 @@ from kvplane.sim.des import (
     DesOptions,
     Progress,
     _Engine,
-    _Live,
     _Sim,
     profile_for,
 )
@@ -102,6 +101,7 @@ class _Handoff:
     prefill: str
     decode: str
     attempt: Attempt  # the prefill leg's
+    booking: Booking  # the decode pod's, until the decode leg is sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +142,6 @@ class _PDSim(_Sim):
         # what the router is told of it (nothing: every pair looks one zone apart)
         self.labels = self.placement if topology.router_sees_nodes else {}
         self.handoffs: dict[str, _Handoff] = {}  # by the prefill leg's request id
-        # decode pods booked until the decode leg is sent (and the prompt's tokens)
-        self.booked: dict[str, tuple[BackendState, int]] = {}
         self.links: dict[tuple[str, LinkClass], simpd.Link] = {}
         self.gaps = array("d")  # every gap between two output tokens of a request, s
         self.transfers: dict[LinkClass, list[int]] = {}  # class -> [handoffs, tokens moved]
@@ -200,9 +198,8 @@ class _PDSim(_Sim):
             await self._mark(d.decode, keys, matches)
             self._submit(rid, req, tokens, d.decode, uncached, t)
             return
-        booked = states[d.decode]
-        booked.book(len(tokens))
-        self.booked[rid] = (booked, len(tokens))
+        booking = Booking()
+        booking.hold(states[d.decode], len(tokens))
         attempt = Attempt(states[d.prefill], uncached, t, len(tokens))
         attempt.begin()
         self.router_cpu += time.process_time() - cpu0
@@ -213,10 +210,12 @@ class _PDSim(_Sim):
             eng.core.add_request(SimRequest(leg, tokens, max_tokens=1))
         except ValueError as exc:  # too long for the engine: vLLM answers 400
             attempt.end()
-            self._release(rid)
+            booking.release()
             self._fail(req, len(tokens), eng.name, str(exc))
             return
-        self.handoffs[leg] = _Handoff(idx, req, tokens, keys, matches, d.prefill, d.decode, attempt)
+        self.handoffs[leg] = _Handoff(
+            idx, req, tokens, keys, matches, d.prefill, d.decode, attempt, booking
+        )
         if not eng.busy:
             self._start_step(eng, t)
 
@@ -227,11 +226,6 @@ class _PDSim(_Sim):
         held = matches.get(pod, {}).get(Tier.HBM, 0)
         if len(keys) > held:
             await self.index.mark_tentative(pod, keys[held:], self.cost.tentative_ttl_s)
-
-    def _release(self, rid: str) -> None:
-        booked = self.booked.pop(rid, None)
-        if booked is not None:
-            booked[0].unbook(booked[1])
 
     # ----------------------------------------------------------------- the handoff
 
@@ -250,6 +244,9 @@ class _PDSim(_Sim):
         """The prefill leg answered: pin its blocks; the decode leg goes out and the
         decode engine starts pulling what it lacks."""
         h.attempt.end()
+        # the decode leg is sent now (to the decode pod, prefilling there or pulling the
+        # KV): the router counts it there from here, and the booking that stood in ends
+        h.booking.release()
         self.pending_marks.append((h.prefill, h.keys, h.matches))
         bs = self.block_size
         src = self.engines[h.prefill].core
@@ -259,7 +256,6 @@ class _PDSim(_Sim):
         if not pinned:  # not one full block: vLLM returns no params, the decode pod prefills
             self.decisions[PDReason.DISAGGREGATED] -= 1
             self.decisions[PDReason.NO_KV_PARAMS] += 1
-            self._release(rid)
             self._submit(rid, h.req, h.tokens, h.decode, len(h.tokens), t)
             return
         dst = self.engines[h.decode].core
@@ -273,9 +269,6 @@ class _PDSim(_Sim):
         stat[1] += moved
         link = self.links.setdefault((h.decode, cls), simpd.Link())
         end = link.reserve(t, seconds)
-        # the decode leg is sent now: the router counts it on the decode pod from here,
-        # and the booking that stood in for it until now ends
-        self._release(rid)
         attempt = Attempt(self.pool.states[h.decode], 0, t, len(h.tokens))
         attempt.begin()
         self.decode_attempts[rid] = attempt
@@ -293,10 +286,6 @@ class _PDSim(_Sim):
         attempt = self.decode_attempts.pop(rid)
         self._submit(rid, h.req, h.tokens, h.decode, 0, t, attempt)
         self.pending_marks.append((h.decode, h.keys, h.matches))
-
-    def _finish(self, rid: str, lv: _Live, t: float) -> None:
-        self._release(rid)
-        super()._finish(rid, lv, t)
 
     async def _handle(self, item: object, t: float) -> None:
         if isinstance(item, _TransferEnd):

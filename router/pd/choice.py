@@ -87,22 +87,20 @@ def _exposures(
 
 
 def _handoff_or_local(
-    handoff: OptionCost | None,
-    local: OptionCost | None,
-    key: Callable[[OptionCost], tuple[bool, float, int, str, str]],
+    options: list[OptionCost], key: Callable[[OptionCost], tuple[bool, float, int, str, str]]
 ) -> OptionCost:
-    """The best pair against the best decode pod prefilling alone, each already the
-    best of its kind by the full score, with ``balance_decides_handoff`` off. Between
-    the two, balance does not count: it spreads decodes over the pods a request could
-    decode on, but it is no reason to hand off. A handoff buys a less loaded decode
-    pod with certain TTFT (a second leg, a transfer, a decode step); on a shared-prefix
-    load, counting balance here handed off 7% of the requests, cache hits resident on
-    a busier decode pod (bench pd --mode des, GSP on 32 GPUs: TTFT p90 1.24x
-    aggregated, 1.05x without)."""
+    """With ``balance_decides_handoff`` off: the best pair against the best decode pod
+    prefilling alone (each the first of its kind in ``options``, sorted by the full
+    score), compared without balance. Balance spreads decodes over the pods a request
+    could decode on, but it is no reason to hand off: a handoff buys a less loaded
+    decode pod with certain TTFT (a second leg, a transfer, a decode step). On GSP
+    (bench pd --mode des, 32 GPUs, 8:24) counting it handed off 7% of the requests,
+    cache hits resident on a busier decode pod, at TTFT p90 1.24x aggregated; left out
+    (with decode_running_ms 0.5, decode_context_ms_per_ktok 0.15), 1.047x."""
+    handoff = next((o for o in options if o.prefill is not None), None)
+    local = next((o for o in options if o.prefill is None), None)
     if handoff is None or local is None:
-        best = handoff or local
-        assert best is not None
-        return best
+        return options[0]
 
     def without_balance(o: OptionCost) -> tuple[bool, float]:
         over, score = key(o)[:2]
@@ -192,30 +190,24 @@ def choose_pd(
                 exposure[d],
                 pending[d],
             )
-    handoffs = sorted(pairs.values(), key=key)
-    local = sorted(
-        (
+    options = list(pairs.values())
+    if can_aggregate:
+        options += [
             o
             for o in aggregated.values()
             if prompt_tokens - o.prefill_terms.cached_tokens <= pd.aggregate_max_uncached_tokens
-        )
-        if can_aggregate
-        else (),
-        key=key,
-    )
-    if not handoffs and not local:  # only a pod that is both, paired with itself
+        ]
+    if not options:  # only a pod that is both, paired with itself
         if not can_aggregate:
             raise ValueError("no prefill pod can serve these decode pods")
         ranked = agg_ranked()
         best = aggregated[ranked[0]]
         return PDDecision(PDReason.NO_PREFILL, best, ranked, [], aggregated, [best])
-    if pd.balance_decides_handoff:
-        best = min([*handoffs[:1], *local[:1]], key=key)
-    else:
-        best = _handoff_or_local(
-            handoffs[0] if handoffs else None, local[0] if local else None, key
-        )
-    options = [best, *(o for o in sorted([*handoffs, *local], key=key) if o is not best)]
+    options.sort(key=key)
+    best = options[0] if pd.balance_decides_handoff else _handoff_or_local(options, key)
+    if best is not options[0]:
+        options.remove(best)
+        options.insert(0, best)
     if best.prefill is None:
         reason = (
             PDReason.SHORT_PROMPT

@@ -34,7 +34,7 @@ from kvplane.router.pd import protocols
 from kvplane.router.pd.choice import PDDecision, PDReason, choose_pd
 from kvplane.router.pd.cost import OptionCost
 from kvplane.router.pipeline import RoutingPipeline
-from kvplane.router.pool import BackendState, Pool
+from kvplane.router.pool import Booking, Pool
 from kvplane.router.proxy import Attempt, reported_cached_tokens
 from kvplane.router.request import ParsedRequest
 from kvplane.router.telemetry import RouterMetrics
@@ -60,25 +60,6 @@ class ClientError(Exception):
     def __init__(self, status: int, content: bytes, headers: Mapping[str, str]) -> None:
         super().__init__(status)
         self.status, self.content, self.headers = status, content, dict(headers)
-
-
-@dataclass(slots=True)
-class Booking:
-    """The decode pod counted busy from the choice until a decode leg's own ``Attempt``
-    counts it, so that requests arriving while the prefill runs see it taken."""
-
-    state: BackendState | None = None
-    tokens: int = 0
-
-    def hold(self, state: BackendState | None, tokens: int) -> None:
-        if state is not None:
-            state.book(tokens)
-            self.state, self.tokens = state, tokens
-
-    def release(self) -> None:
-        if self.state is not None:
-            self.state.unbook(self.tokens)
-            self.state = None
 
 
 @dataclass(frozen=True, slots=True)
