@@ -9,6 +9,7 @@ pool's load accounting). Figures are deterministic, so the timing checks are exa
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -105,6 +106,12 @@ def test_topology_spreads_each_pool_over_the_nodes() -> None:
     assert nodes[:6] == ["node-0", "node-1"] * 3
     assert nodes[6:] == ["node-0", "node-1"]
     assert Topology().nodes(roles) == [None] * 8
+    # no node gets more pods than GPUs: 22 prefill + 10 decode on 4 nodes of 8
+    uneven = Topology(8).nodes(["prefill"] * 22 + ["decode"] * 10)
+    per_node = Counter(uneven)
+    assert set(per_node.values()) == {8}
+    decode_per_node = Counter(uneven[22:])
+    assert sorted(decode_per_node.values()) == [2, 2, 3, 3]
 
 
 def test_conditional_keeps_short_prompts_on_the_decode_pod() -> None:

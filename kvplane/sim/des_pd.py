@@ -77,15 +77,23 @@ class Topology:
     router_sees_nodes: bool = True  # False: a topology-blind router on the same fleet
 
     def nodes(self, roles: Sequence[str]) -> list[str | None]:
+        """Each pod goes to a node with a free GPU holding the fewest of its pool (then
+        the most free GPUs): every pool spreads evenly and no node hosts more pods than
+        it has GPUs (22 prefill + 10 decode on 4 x 8: 6+2, 6+2, 5+3, 5+3)."""
         if self.gpus_per_node <= 0:
             return [None] * len(roles)
         n_nodes = max(1, math.ceil(len(roles) / self.gpus_per_node))
-        seen: dict[str, int] = {}
+        free = [self.gpus_per_node] * n_nodes
+        held: dict[str, list[int]] = {}
         out: list[str | None] = []
         for role in roles:
-            k = seen.get(role, 0)
-            seen[role] = k + 1
-            out.append(f"node-{k % n_nodes}")
+            count = held.setdefault(role, [0] * n_nodes)
+            node = min(
+                (n for n in range(n_nodes) if free[n] > 0), key=lambda n: (count[n], -free[n], n)
+            )
+            count[node] += 1
+            free[node] -= 1
+            out.append(f"node-{node}")
         return out
 
 
