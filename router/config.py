@@ -183,13 +183,13 @@ class PDSpec(_Strict):
         default=1.0, description="decode choice: penalty per running request"
     )
     decode_context_ms_per_ktok: Annotated[float, Field(ge=0)] = Field(
-        default=0.0,
+        default=0.5,
         description="decode choice: penalty per thousand prompt tokens in flight on the pod "
         "(router-tracked, so fresh between scrapes): a decode step reads every running "
         "request's KV, so long contexts slow a pod more than many short ones",
     )
     balance_decides_handoff: bool = Field(
-        default=True,
+        default=False,
         description="balance counts in the choice between the best pair and the best decode "
         "pod prefilling alone; false: only in ranking pairs among pairs and lone pods among "
         "themselves (shared-prefix loads: no handoff of a cache hit for a less busy pod)",

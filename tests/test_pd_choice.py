@@ -25,7 +25,9 @@ PD = PDSpec(
     },
     aggregate_max_uncached_tokens=256,
     decode_running_ms=1.0,
+    decode_context_ms_per_ktok=0.0,
     decode_kv_weight_ms=10.0,
+    balance_decides_handoff=True,
 )
 IDLE = PodLoad()
 
@@ -348,7 +350,7 @@ def test_balance_alone_never_hands_off_a_prompt_resident_on_a_decode_pod() -> No
     pair = next(o for o in d.options if o.prefill == "p0" and o.decode == "d0")
     assert pair.score_ms < d.chosen.score_ms  # balance counted, the pair would win
     assert pair.score_ms - pair.balance_ms > d.chosen.score_ms - d.chosen.balance_ms
-    # by default balance decides too, and the pair wins
+    # with balance deciding too (the choice before 2026-11-24), the pair wins
     dflt = choose_pd(
         4000,
         {"p0": hbm(250), "d1": hbm(250)},

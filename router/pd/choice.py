@@ -89,14 +89,14 @@ def _exposures(
 def _handoff_or_local(
     options: list[OptionCost], key: Callable[[OptionCost], tuple[bool, float, int, str, str]]
 ) -> OptionCost:
-    """With ``balance_decides_handoff`` off: the best pair against the best decode pod
-    prefilling alone (each the first of its kind in ``options``, sorted by the full
-    score), compared without balance. Balance spreads decodes over the pods a request
-    could decode on, but it is no reason to hand off: a handoff buys a less loaded
-    decode pod with certain TTFT (a second leg, a transfer, a decode step). On GSP
-    (bench pd --mode des, 32 GPUs, 8:24) counting it handed off 7% of the requests,
-    cache hits resident on a busier decode pod, at TTFT p90 1.24x aggregated; left out
-    (with decode_running_ms 0.5, decode_context_ms_per_ktok 0.15), 1.047x."""
+    """With ``balance_decides_handoff`` off (the default): the best pair against the
+    best decode pod prefilling alone (each the first of its kind in ``options``, sorted
+    by the full score), compared without balance. Balance spreads decodes over the pods
+    a request could decode on, but it is no reason to hand off: a handoff buys a less
+    loaded decode pod with certain TTFT (a second leg, a transfer, a decode step). On
+    GSP (bench pd --mode des, 32 GPUs, 8:24) counting it hands off 7% of the requests,
+    cache hits resident on a busier decode pod, at TTFT p90 1.29x aggregated; left out,
+    1.06x (docs/pd.md, Benchmark)."""
     handoff = next((o for o in options if o.prefill is not None), None)
     local = next((o for o in options if o.prefill is None), None)
     if handoff is None or local is None:
