@@ -27,7 +27,6 @@ PD = PDSpec(
     decode_running_ms=1.0,
     decode_context_ms_per_ktok=0.0,
     decode_kv_weight_ms=10.0,
-    balance_decides_handoff=True,
 )
 IDLE = PodLoad()
 
@@ -351,19 +350,20 @@ def test_balance_alone_never_hands_off_a_prompt_resident_on_a_decode_pod() -> No
     assert pair.score_ms < d.chosen.score_ms  # balance counted, the pair would win
     assert pair.score_ms - pair.balance_ms > d.chosen.score_ms - d.chosen.balance_ms
     # with balance deciding too (the choice before 2026-11-24), the pair wins
-    dflt = choose_pd(
+    deciding = PD.model_copy(update={"balance_decides_handoff": True})
+    balanced = choose_pd(
         4000,
         {"p0": hbm(250), "d1": hbm(250)},
         {"p0": IDLE},
         {"d0": IDLE, "d1": busy},
         labels,
         P,
-        PD,
+        deciding,
         BS,
         KV,
         1000.0,
     )
-    assert dflt.disaggregated and (dflt.prefill, dflt.decode) == ("p0", "d0")
+    assert balanced.disaggregated and (balanced.prefill, balanced.decode) == ("p0", "d0")
     # a real queue on d1 (not balance) is a reason to hand off
     queued = PodLoad(inflight=20, pending_prefill_tokens=5000, pending_requests=3)
     d2 = choose_pd(
