@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvplane.router.config import CostParams, LinkClass, LinkCost, PDSpec
 from kvplane.router.cost import PodLoad, predict
-from kvplane.router.pd.choice import PDReason, choose_pd
+from kvplane.router.pd.choice import PDDecision, PDReason, choose_pd
 from kvplane.router.pd.cost import aggregated_cost, decode_step_ms, exposure_ms, pair_cost
 from kvplane.router.pd.topology import link_class, link_cost, transfer_ms
 from kvplane.router.tiers import Tier
@@ -331,53 +331,25 @@ def test_balance_alone_never_hands_off_a_prompt_resident_on_a_decode_pod() -> No
     """d1 holds the prompt and is busier than d0; p0 holds it too. The pair to idle d0
     scores lower only through balance, so d1 serves it (computing its last token)."""
     labels = {"p0": place("n1", "z1"), "d0": place("n1", "z1"), "d1": place("n2", "z1")}
+    resident = {"p0": hbm(250), "d1": hbm(250)}
+
+    def choose(d1: PodLoad, balance_decides_handoff: bool) -> PDDecision:
+        pd = PD.model_copy(update={"balance_decides_handoff": balance_decides_handoff})
+        loads = {"d0": IDLE, "d1": d1}
+        return choose_pd(4000, resident, {"p0": IDLE}, loads, labels, P, pd, BS, KV, 1000.0)
+
     busy = PodLoad(inflight=20, inflight_tokens=60_000)
-    pd = PD.model_copy(update={"balance_decides_handoff": False})
-    d = choose_pd(
-        4000,
-        {"p0": hbm(250), "d1": hbm(250)},
-        {"p0": IDLE},
-        {"d0": IDLE, "d1": busy},
-        labels,
-        P,
-        pd,
-        BS,
-        KV,
-        1000.0,
-    )
+    d = choose(busy, False)
     assert d.reason == PDReason.RESIDENT_ON_DECODE and d.decode == "d1"
     pair = next(o for o in d.options if o.prefill == "p0" and o.decode == "d0")
     assert pair.score_ms < d.chosen.score_ms  # balance counted, the pair would win
     assert pair.score_ms - pair.balance_ms > d.chosen.score_ms - d.chosen.balance_ms
     # with balance deciding too (the choice before 2026-11-24), the pair wins
-    deciding = PD.model_copy(update={"balance_decides_handoff": True})
-    balanced = choose_pd(
-        4000,
-        {"p0": hbm(250), "d1": hbm(250)},
-        {"p0": IDLE},
-        {"d0": IDLE, "d1": busy},
-        labels,
-        P,
-        deciding,
-        BS,
-        KV,
-        1000.0,
-    )
+    balanced = choose(busy, True)
     assert balanced.disaggregated and (balanced.prefill, balanced.decode) == ("p0", "d0")
     # a real queue on d1 (not balance) is a reason to hand off
     queued = PodLoad(inflight=20, pending_prefill_tokens=5000, pending_requests=3)
-    d2 = choose_pd(
-        4000,
-        {"p0": hbm(250), "d1": hbm(250)},
-        {"p0": IDLE},
-        {"d0": IDLE, "d1": queued},
-        labels,
-        P,
-        pd,
-        BS,
-        KV,
-        1000.0,
-    )
+    d2 = choose(queued, False)
     assert d2.disaggregated and (d2.prefill, d2.decode) == ("p0", "d0")
 
 
