@@ -197,6 +197,17 @@ class PDSpec(_Strict):
     decode_kv_weight_ms: Annotated[float, Field(ge=0)] = Field(
         default=20.0, description="decode choice: penalty x KV cache usage (0..1)"
     )
+    prefill_serves_resident: bool = Field(
+        default=True,
+        description="NIXL (kv_both): an idle prefill pod may serve a request alone, as a "
+        "decode pod does, when it holds most of the prompt and lacks at most "
+        "aggregate_max_uncached_tokens; it never takes a handoff's decode leg",
+    )
+    prefill_pool_busy_max: Annotated[float, Field(ge=0, le=1)] = Field(
+        default=0.25,
+        description="prefill_serves_resident: only while at most this share of the prefill "
+        "pods have prefill in flight (and never on one that has)",
+    )
     max_prefill_attempts: Annotated[int, Field(ge=1)] = Field(
         default=2, description="prefill pods tried before prefilling on the decode pod"
     )

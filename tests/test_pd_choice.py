@@ -370,3 +370,51 @@ def test_a_handoff_waits_behind_prefill_queued_on_its_decode_pod() -> None:
     queued = PodLoad(pending_prefill_tokens=1000, pending_requests=1, inflight=1)
     d = choose_pd(4000, {}, {"p0": IDLE}, {"d0": queued}, {}, P, PD, BS, KV, 1000.0)
     assert d.chosen.decode_ms == pytest.approx(100.0 + decode_step_ms(queued, P))
+
+
+# --- a prefill pod serving a request it holds, alone -----------------------------------
+
+HELD = {"p0": hbm(240)}  # p0 holds 3840 of the 4000 tokens (it prefilled the prefix)
+
+
+def alone_choice(prefill: dict[str, PodLoad], pd: PDSpec = PD) -> PDDecision:
+    return choose_pd(
+        4000, HELD, prefill, {"d0": IDLE}, {}, P, pd, BS, KV, 1000.0, alone_loads=prefill
+    )
+
+
+def test_an_idle_prefill_pod_serves_a_prompt_it_holds_alone() -> None:
+    """d0 lacks the prompt (a handoff moves 4000 tokens); p0 lacks 160 of them and has
+    nothing in flight: it serves the request itself, as a decode pod would."""
+    d = alone_choice({"p0": IDLE, "p1": IDLE})
+    assert d.reason == PDReason.RESIDENT_ON_PREFILL
+    assert d.prefill is None and d.decode == "p0" and not d.disaggregated
+    assert d.chosen.prefill_terms.cached_tokens == 3840
+    # a failure falls back to the decode pods, which never include p0 otherwise
+    assert d.decode_ranked == ["p0", "d0"]
+    # switched off: the handoff from p0
+    off = PD.model_copy(update={"prefill_serves_resident": False})
+    d2 = alone_choice({"p0": IDLE, "p1": IDLE}, off)
+    assert d2.disaggregated and (d2.prefill, d2.decode) == ("p0", "d0")
+
+
+def test_a_prefill_pod_serves_alone_only_while_it_and_most_of_its_pool_are_idle() -> None:
+    prefilling = PodLoad(pending_prefill_tokens=100, pending_requests=1, inflight=1)
+    # p0 itself has prefill in flight
+    assert alone_choice({"p0": prefilling, "p1": IDLE}).disaggregated
+    # p0 is idle, but two of its pool's four pods prefill (over a quarter)
+    pool = {"p0": IDLE, "p1": prefilling, "p2": prefilling, "p3": IDLE}
+    assert alone_choice(pool).disaggregated
+    # one of four is within it
+    pool["p2"] = IDLE
+    assert alone_choice(pool).reason == PDReason.RESIDENT_ON_PREFILL
+
+
+def test_a_prefill_pod_never_serves_alone_what_it_does_not_hold() -> None:
+    """A short prompt is within the decode pods' gate, but p0 holds none of it: a decode
+    there would sit through the pod's next long prefills."""
+    d = choose_pd(
+        100, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0, alone_loads={"p0": IDLE}
+    )
+    assert d.reason == PDReason.SHORT_PROMPT and d.decode == "d0"
+    assert all(o.decode == "d0" for o in d.options)

@@ -153,6 +153,35 @@ def test_router_serves_the_sim_fleet_through_prefill_decode_pairs(
         assert any('reason="disaggregated"' in ln for ln in decisions), decisions
 
 
+def test_an_idle_prefill_pod_serves_a_prompt_it_holds_through_the_router(
+    tokenizer_dir: Path,
+) -> None:
+    """NIXL prefill engines are kv_both: a plain request runs there in full. p0 computed
+    the prompt (its KV events told the router) and no decode pod holds it, so the
+    router sends the request to p0 alone rather than hand it off."""
+    with pd_stack(tokenizer_dir, "nixl") as (fleet, router):
+        prompt = unique()
+        (p0,) = [e for e in fleet.engines if e.cfg.name == "p0"]
+        warm = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+        assert httpx.post(f"{p0.url}/v1/completions", json=warm, timeout=TIMEOUT).is_success
+        for _ in range(100):  # bounded: until p0's KV events reached the index
+            e = httpx.post(f"{router.url}/kvplane/explain", json=warm, timeout=TIMEOUT).json()
+            if e["reason"] == "aggregated_resident_on_prefill":
+                break
+            asyncio.run(asyncio.sleep(0.05))
+        assert e["reason"] == "aggregated_resident_on_prefill" and e["chosen"]["decode"] == "p0"
+
+        oc = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0, timeout=TIMEOUT)
+        raw = oc.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=3)
+        assert raw.headers["x-kvplane-reason"] == "aggregated_resident_on_prefill"
+        assert raw.headers["x-kvplane-pod"] == "p0"
+        u = raw.parse().usage
+        assert u is not None and u.completion_tokens == 3 and u.prompt_tokens_details is not None
+        assert (u.prompt_tokens_details.cached_tokens or 0) >= u.prompt_tokens - BLOCK
+        assert stats(fleet, "d0")["transferred_tokens"] == 0
+        assert stats(fleet, "d1")["transferred_tokens"] == 0
+
+
 def test_decode_choice_spreads_running_requests(tokenizer_dir: Path) -> None:
     """Concurrent long prompts land on both decode pods (decode balances its load)."""
     with pd_stack(tokenizer_dir, "nixl") as (_, router):

@@ -18,7 +18,7 @@ from kvplane.router.pd.choice import PDReason
 
 from kvplane.bench import pd as bench_pd
 from kvplane.bench import pd_des
-from kvplane.bench.workloads import TraceRequest, Workload
+from kvplane.bench.workloads import TraceRequest, Workload, generated_shared_prefix
 from kvplane.sim.des_pd import Topology, run_des_pd
 from kvplane.sim.profiles import LLAMA_8B_H100
 
@@ -123,6 +123,25 @@ def test_conditional_keeps_short_prompts_on_the_decode_pod() -> None:
     assert run.record.extra["decisions"] == {PDReason.SHORT_PROMPT: 10}
     assert run.record.extra["transfers"] == {}
     assert {r.backend for r in run.results} <= {"e1", "e2"}
+
+
+def test_idle_prefill_pods_serve_the_shared_prefixes_they_computed() -> None:
+    """Shared system prompts: the prefill pods computed them, hold them, and sit idle
+    between first requests, so follow-ups are served there whole, the plain vLLM
+    request a NIXL (kv_both) engine takes; switched off, they queue on the decode pod."""
+    wl = generated_shared_prefix(groups=2, per_group=8, system_len=2048, rate=8.0)
+    roles = ["prefill", "prefill", "decode"]
+    run = run_des_pd(wl, roles, PDSpec(links=links()), name="c", block_size=BS)
+    decisions = run.record.extra["decisions"]
+    assert run.record.errors == 0 and len(run.results) == 16
+    assert decisions.get(PDReason.RESIDENT_ON_PREFILL, 0) > 0
+    on_prefill = [r for r in run.results if r.backend in {"e0", "e1"}]
+    assert len(on_prefill) == decisions[PDReason.RESIDENT_ON_PREFILL]
+    assert all((r.cached_tokens or 0) >= 2048 for r in on_prefill)
+    off = PDSpec(links=links(), prefill_serves_resident=False)
+    run_off = run_des_pd(wl, roles, off, name="c", block_size=BS)
+    assert PDReason.RESIDENT_ON_PREFILL not in run_off.record.extra["decisions"]
+    assert {r.backend for r in run_off.results} == {"e2"}
 
 
 def test_a_prompt_under_one_block_is_prefilled_on_the_decode_pod() -> None:

@@ -30,6 +30,7 @@ class PDReason:
     DISAGGREGATED = "disaggregated"
     SHORT_PROMPT = "aggregated_short_prompt"  # the decode pod lacks few tokens: all of them
     RESIDENT_ON_DECODE = "aggregated_resident_on_decode"  # ... because it holds most
+    RESIDENT_ON_PREFILL = "aggregated_resident_on_prefill"  # a prefill pod holds most: alone
     PREFILL_FAILED = "aggregated_prefill_failed"  # every prefill attempt failed
     NO_PREFILL = "aggregated_no_prefill"  # no healthy prefill pod
     NO_KV_PARAMS = "aggregated_no_kv_params"  # the prefill pod returned nothing to hand off
@@ -42,7 +43,8 @@ class PDDecision:
     chosen: OptionCost
     decode_ranked: list[str]  # decode pods for retries, best first (chosen first)
     prefill_ranked: list[str]  # prefill pods for the chosen decode pod, best first
-    aggregated: dict[str, OptionCost]  # each decode pod prefilling alone (the fallback)
+    aggregated: dict[str, OptionCost]  # each pod serving alone: decode pods (the fallback),
+    # and prefill pods allowed to (``prefill_serves_resident``)
     options: list[OptionCost] = field(default_factory=list)  # every eligible option, best first
 
     @property
@@ -109,6 +111,43 @@ def _handoff_or_local(
     return handoff if without_balance(handoff) < without_balance(local) else local
 
 
+def _alone_on_prefill(
+    prompt_tokens: int,
+    prefill_terms: Mapping[str, CostTerms],
+    alone_loads: Mapping[str, PodLoad],
+    decode_loads: Mapping[str, PodLoad],
+    params: CostParams,
+    pd: PDSpec,
+) -> list[OptionCost]:
+    """Prefill pods serving a request alone, as a decode pod would: one they hold most
+    of and lack no more of than a decode pod may prefill itself, while the pod and most
+    of its pool have no prefill in flight. A prefill pod holds every prefix it computed,
+    so a shared prefix's follow-ups can use the idle prefill pool's GPUs instead of
+    queueing on the one decode pod its first request went to (GSP on 8:24 goes from
+    1.04-1.09x aggregated's TTFT p90 to 0.95-1.00x; docs/pd.md, Benchmark point 11).
+    A busy pool keeps them: a decode there would sit through long prefills and slow
+    them (Mooncake served 10% of its requests so, and its TTFT p90 rose 5%)."""
+    if not pd.prefill_serves_resident or not alone_loads:
+        return []
+    busy = sum(1 for load in alone_loads.values() if load.pending_requests > 0)
+    if busy > pd.prefill_pool_busy_max * len(alone_loads):
+        return []
+    out = []
+    for p, load in alone_loads.items():
+        terms = prefill_terms.get(p)
+        if terms is None or p in decode_loads or load.pending_requests > 0:
+            continue
+        uncached = prompt_tokens - terms.cached_tokens
+        if uncached <= pd.aggregate_max_uncached_tokens and terms.cached_tokens > uncached:
+            out.append(aggregated_cost(terms, load, params, pd))
+    return out
+
+
+def _first(pod: str, ranked: list[str]) -> list[str]:
+    """``ranked`` with the chosen pod first (a prefill pod serving alone is not in it)."""
+    return [pod, *(p for p in ranked if p != pod)]
+
+
 def choose_pd(
     prompt_tokens: int,
     matches: Mapping[str, Mapping[Tier, int]],
@@ -123,10 +162,13 @@ def choose_pd(
     *,
     can_aggregate: bool = True,
     multi_sequence: bool = False,
+    alone_loads: Mapping[str, PodLoad] | None = None,
 ) -> PDDecision:
     """Cheapest option by score; ``can_aggregate`` False (SGLang decode servers take
     only handed-off requests) leaves pairs only. ``decode_loads`` must not be empty;
-    a pod in both maps is never paired with itself."""
+    a pod in both maps is never paired with itself. ``alone_loads``: prefill pods that
+    may serve a request they hold nearly all of alone (``prefill_serves_resident``),
+    never a handoff's decode leg."""
     if not decode_loads:
         raise ValueError("no decode candidates")
 
@@ -148,10 +190,11 @@ def choose_pd(
         for d, load in decode_loads.items()
     }
     capped = over_cap(decode_loads, params) | over_cap(prefill_loads, params)
+    serving = {**(alone_loads or {}), **decode_loads}  # pods an option may decode on
 
     def key(o: OptionCost) -> tuple[bool, float, int, str, str]:
         over = o.decode in capped or (o.prefill is not None and o.prefill in capped)
-        return (over, o.score_ms, decode_loads[o.decode].inflight, o.decode, o.prefill or "")
+        return (over, o.score_ms, serving[o.decode].inflight, o.decode, o.prefill or "")
 
     def agg_ranked() -> list[str]:
         return [o.decode for o in sorted(aggregated.values(), key=key)]
@@ -191,12 +234,18 @@ def choose_pd(
                 pending[d],
             )
     options = list(pairs.values())
+    served_alone = aggregated
     if can_aggregate:
         options += [
             o
             for o in aggregated.values()
             if prompt_tokens - o.prefill_terms.cached_tokens <= pd.aggregate_max_uncached_tokens
         ]
+        alone = _alone_on_prefill(
+            prompt_tokens, prefill_terms, alone_loads or {}, decode_loads, params, pd
+        )
+        options += alone
+        served_alone = {**aggregated, **{o.decode: o for o in alone}}
     if not options:  # only a pod that is both, paired with itself
         if not can_aggregate:
             raise ValueError("no prefill pod can serve these decode pods")
@@ -210,11 +259,14 @@ def choose_pd(
         options.insert(0, best)
     if best.prefill is None:
         reason = (
-            PDReason.SHORT_PROMPT
+            PDReason.RESIDENT_ON_PREFILL
+            if best.decode not in decode_loads
+            else PDReason.SHORT_PROMPT
             if prompt_tokens <= pd.aggregate_max_uncached_tokens
             else PDReason.RESIDENT_ON_DECODE
         )
-        return PDDecision(reason, best, agg_ranked(), [], aggregated, options)
+        ranked = _first(best.decode, agg_ranked())
+        return PDDecision(reason, best, ranked, [], served_alone, options)
 
     p = best.prefill
 
@@ -222,12 +274,12 @@ def choose_pd(
         pair = pairs.get((p, d))
         return (pair is None, key(pair if pair is not None else aggregated[d]))
 
-    decode_ranked = sorted(decode_loads, key=decode_key)
+    decode_ranked = _first(best.decode, sorted(decode_loads, key=decode_key))
     prefill_ranked = [
         o.prefill
         for o in sorted((o for (_, d), o in pairs.items() if d == best.decode), key=key)
         if o.prefill is not None
     ]
     return PDDecision(
-        PDReason.DISAGGREGATED, best, decode_ranked, prefill_ranked, aggregated, options
+        PDReason.DISAGGREGATED, best, decode_ranked, prefill_ranked, served_alone, options
     )
