@@ -127,7 +127,7 @@ def prefill_heavy(
 def build(name: str, limit: int, rate_scale: float, trace: Path | None, seed: int = 0) -> Workload:
     if name == PREFILL_HEAVY:
         return prefill_heavy(n=limit, rate=10.0 * rate_scale, seed=seed)
-    return build_workload(name, trace=trace, limit=limit, start=0, rate_scale=rate_scale)
+    return build_workload(name, trace=trace, limit=limit, start=0, rate_scale=rate_scale, seed=seed)
 
 
 # --------------------------------------------------------------------------- P:D split

@@ -52,6 +52,7 @@ from kvplane.sim.des_pd import Topology, run_des_pd
 from kvplane.sim.profiles import PROFILES
 
 SECTION = "## Prefill/decode disaggregation in virtual time (DES)"
+SEEDED = (PREFILL_HEAVY, "gsp")  # workloads a seed draws anew
 # What makes two rows the same measurement (a rerun replaces, never mixes).
 ROW_KEY = (
     "workload",
@@ -142,8 +143,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     rows: list[dict[str, Any]] = []
     for wname in csv_list(args.workloads):
-        # only the generated prefill-heavy prompts vary with the seed; the traces are fixed
-        for seed in seeds if wname == PREFILL_HEAVY else seeds[:1]:
+        # the generated workloads vary with the seed (prompts, order, arrivals); the
+        # Mooncake trace is fixed
+        for seed in seeds if wname in SEEDED else seeds[:1]:
             wl = build(wname, _limit(args, wname), _rate(args, wname), _trace(args), seed)
             hit = oracle_hit_ratio(wl, args.block_size)
             sized = split_for(wl, profile, args.engines, hit)

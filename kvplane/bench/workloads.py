@@ -549,12 +549,20 @@ WORKLOAD_NAMES: Final = ("mooncake", "gsp", "multi-round-qa", "long-doc-qa", "no
 
 
 def build_workload(
-    name: str, *, trace: Path | None, limit: int | None, start: int, rate_scale: float
+    name: str,
+    *,
+    trace: Path | None,
+    limit: int | None,
+    start: int,
+    rate_scale: float,
+    seed: int = 0,
 ) -> Workload:
+    """A workload by name; ``seed`` draws the generated shared-prefix order and arrivals
+    (the other builders are fixed)."""
     if name == "mooncake":
         return mooncake(trace, limit=limit, start=start, rate_scale=rate_scale)
     builders: dict[str, Callable[[], Workload]] = {
-        "gsp": generated_shared_prefix,
+        "gsp": lambda: generated_shared_prefix(seed=seed),
         "multi-round-qa": multi_round_qa,
         "long-doc-qa": long_doc_qa,
         "no-reuse": no_reuse,
