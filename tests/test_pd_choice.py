@@ -379,7 +379,7 @@ HELD = {"p0": hbm(240)}  # p0 holds 3840 of the 4000 tokens (it prefilled the pr
 
 def alone_choice(prefill: dict[str, PodLoad], pd: PDSpec = PD) -> PDDecision:
     return choose_pd(
-        4000, HELD, prefill, {"d0": IDLE}, {}, P, pd, BS, KV, 1000.0, alone_loads=prefill
+        4000, HELD, prefill, {"d0": IDLE}, {}, P, pd, BS, KV, 1000.0, alone=list(prefill)
     )
 
 
@@ -413,8 +413,6 @@ def test_a_prefill_pod_serves_alone_only_while_it_and_most_of_its_pool_are_idle(
 def test_a_prefill_pod_never_serves_alone_what_it_does_not_hold() -> None:
     """A short prompt is within the decode pods' gate, but p0 holds none of it: a decode
     there would sit through the pod's next long prefills."""
-    d = choose_pd(
-        100, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0, alone_loads={"p0": IDLE}
-    )
+    d = choose_pd(100, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0, alone=["p0"])
     assert d.reason == PDReason.SHORT_PROMPT and d.decode == "d0"
     assert all(o.decode == "d0" for o in d.options)

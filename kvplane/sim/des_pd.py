@@ -46,7 +46,6 @@ from kvplane.bench.pd_report import STALL_S
 from kvplane.bench.workloads import PromptBuilder, TraceRequest, Workload, synthetic_tokens
 from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import Backend, BackendRole, LinkClass, PDSpec
-from kvplane.router.cost import PodLoad
 from kvplane.router.pd.choice import PDReason, choose_pd
 from kvplane.router.pd.topology import link_class, link_cost, transfer_ms
 from kvplane.router.pool import Booking
@@ -172,13 +171,6 @@ class _PDSim(_Sim):
                 decode.append(name)
         return prefill, decode
 
-    def _alone(self, prefill: list[str], t: float) -> dict[str, PodLoad]:
-        """As ``PDService.alone``: NIXL prefill pods may serve what they hold alone."""
-        if self.pd is None:
-            return {}
-        states = self.pool.states
-        return {p: states[p].load(now=t) for p in prefill if self.roles[p] == "prefill"}
-
     async def _arrive(self, idx: int, req: TraceRequest, t: float) -> None:
         if self.pd is None:
             await super()._arrive(idx, req, t)
@@ -202,7 +194,7 @@ class _PDSim(_Sim):
             self.block_size,
             self.profile.kv_bytes_per_token,
             self.pool.mean_request_tokens,
-            alone_loads=self._alone(prefill, t),
+            alone=[p for p in prefill if self.roles[p] == "prefill"],  # NIXL: kv_both
         )
         self.pool.observe_prompt(len(tokens))
         uncached = len(tokens) - d.chosen.prefill_terms.cached_tokens

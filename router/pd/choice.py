@@ -9,7 +9,7 @@ shared by headers and metrics, and the rankings that retries walk.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from kvplane.router.choice import over_cap
@@ -115,7 +115,6 @@ def _alone_on_prefill(
     prompt_tokens: int,
     prefill_terms: Mapping[str, CostTerms],
     alone_loads: Mapping[str, PodLoad],
-    decode_loads: Mapping[str, PodLoad],
     params: CostParams,
     pd: PDSpec,
 ) -> list[OptionCost]:
@@ -134,8 +133,8 @@ def _alone_on_prefill(
         return []
     out = []
     for p, load in alone_loads.items():
-        terms = prefill_terms.get(p)
-        if terms is None or p in decode_loads or load.pending_requests > 0:
+        terms = prefill_terms[p]
+        if load.pending_requests > 0:
             continue
         uncached = prompt_tokens - terms.cached_tokens
         if uncached <= pd.aggregate_max_uncached_tokens and terms.cached_tokens > uncached:
@@ -162,13 +161,13 @@ def choose_pd(
     *,
     can_aggregate: bool = True,
     multi_sequence: bool = False,
-    alone_loads: Mapping[str, PodLoad] | None = None,
+    alone: Collection[str] = (),
 ) -> PDDecision:
     """Cheapest option by score; ``can_aggregate`` False (SGLang decode servers take
     only handed-off requests) leaves pairs only. ``decode_loads`` must not be empty;
-    a pod in both maps is never paired with itself. ``alone_loads``: prefill pods that
-    may serve a request they hold nearly all of alone (``prefill_serves_resident``),
-    never a handoff's decode leg."""
+    a pod in both maps is never paired with itself. ``alone``: prefill pods (of
+    ``prefill_loads``, not decode pods) that may serve a request they hold nearly all
+    of alone (``prefill_serves_resident``), never a handoff's decode leg."""
     if not decode_loads:
         raise ValueError("no decode candidates")
 
@@ -190,7 +189,10 @@ def choose_pd(
         for d, load in decode_loads.items()
     }
     capped = over_cap(decode_loads, params) | over_cap(prefill_loads, params)
-    serving = {**(alone_loads or {}), **decode_loads}  # pods an option may decode on
+    alone_loads = {
+        p: prefill_loads[p] for p in alone if p in prefill_loads and p not in decode_loads
+    }
+    serving = {**alone_loads, **decode_loads}  # pods an option may decode on
 
     def key(o: OptionCost) -> tuple[bool, float, int, str, str]:
         over = o.decode in capped or (o.prefill is not None and o.prefill in capped)
@@ -241,11 +243,9 @@ def choose_pd(
             for o in aggregated.values()
             if prompt_tokens - o.prefill_terms.cached_tokens <= pd.aggregate_max_uncached_tokens
         ]
-        alone = _alone_on_prefill(
-            prompt_tokens, prefill_terms, alone_loads or {}, decode_loads, params, pd
-        )
-        options += alone
-        served_alone = {**aggregated, **{o.decode: o for o in alone}}
+        on_prefill = _alone_on_prefill(prompt_tokens, prefill_terms, alone_loads, params, pd)
+        options += on_prefill
+        served_alone = {**aggregated, **{o.decode: o for o in on_prefill}}
     if not options:  # only a pod that is both, paired with itself
         if not can_aggregate:
             raise ValueError("no prefill pod can serve these decode pods")

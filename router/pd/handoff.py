@@ -28,7 +28,6 @@ from typing import Any
 
 import httpx
 from kvplane.router.config import BackendRole, PDConnector, PDSpec, RouterConfig
-from kvplane.router.cost import PodLoad
 from kvplane.router.errors import APIError, sse_error
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
 from kvplane.router.pd import protocols
@@ -165,15 +164,13 @@ class PDService:
                 decode.append(name)
         return prefill, decode
 
-    def alone(self, prefill: list[str]) -> dict[str, PodLoad]:
+    def alone(self, prefill: list[str]) -> list[str]:
         """Prefill pods that may serve a request they hold alone: NIXL's are kv_both
         (the operator renders them so), so a plain request runs there in full."""
         if not serves_both_ways(self.pd.connector):
-            return {}
+            return []
         states = self.pool.states
-        return {
-            p: states[p].load() for p in prefill if states[p].backend.role is BackendRole.PREFILL
-        }
+        return [p for p in prefill if states[p].backend.role is BackendRole.PREFILL]
 
     async def route(self, req: ParsedRequest) -> PDRouted:
         tokens, keys = await self.pipeline.tokens_and_keys(req)
@@ -204,7 +201,7 @@ class PDService:
             self.pool.mean_request_tokens,
             can_aggregate=aggregate_ok,
             multi_sequence=multi,
-            alone_loads=self.alone(prefill),
+            alone=self.alone(prefill),
         )
         return PDRouted(tokens, keys, decision, matches)
 
