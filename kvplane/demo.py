@@ -23,7 +23,7 @@ from kvplane.local.serve import serve_in_thread
 from kvplane.local.vllm_engines import BLOCK_SIZE, MAX_MODEL_LEN, VllmEngine, running_engines
 from kvplane.router.app import create_app
 from kvplane.router.config import RouterConfig
-from kvplane.workloads import shared_prefix_workload
+from kvplane.workload.text import shared_prefix_workload
 
 
 @dataclass

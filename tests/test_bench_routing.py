@@ -16,9 +16,9 @@ from kvplane.router.config import CostParams
 from pydantic import ValidationError
 
 from kvplane.bench import routing
-from kvplane.bench.metrics import CORE_KEYS
 from kvplane.bench.routers import kvplane_config
 from kvplane.bench.routing_report import SECTION, check_targets
+from kvplane.workload.results import CORE_KEYS
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import lzma
 import math
 from pathlib import Path
 from typing import Any
@@ -12,20 +13,17 @@ from typing import Any
 import pytest
 from support.router_server import deepseek_tokenizer_dir
 
-from kvplane.bench import metrics, workloads
-from kvplane.bench.metrics import RequestResult, RunRecord, oracle_hit_ratio, percentile
-from kvplane.bench.workloads import PromptBuilder, SegmentTokens, TraceRequest, Workload
+from kvplane.workload import results as metrics
+from kvplane.workload import traces as workloads
+from kvplane.workload.results import RequestResult, RunRecord, oracle_hit_ratio, percentile
+from kvplane.workload.traces import PromptBuilder, SegmentTokens, TraceRequest, Workload
 
 
-def shared_trace() -> Path | None:
-    try:
-        return workloads.default_mooncake_path()
-    except FileNotFoundError:
-        return None
-
-
-SHARED_TRACE = shared_trace()
-needs_trace = pytest.mark.skipif(SHARED_TRACE is None, reason="shared Mooncake trace missing")
+def test_the_trace_ships_with_the_package() -> None:
+    """The Mooncake trace is package data: a fresh install reads it with nothing beside it."""
+    path = workloads.default_mooncake_path()
+    assert path.is_file() and path.suffix == ".xz"
+    assert path.with_name("NOTICE.md").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +74,7 @@ def test_text_tokenizes_to_exactly_the_token_ids(
     builder: PromptBuilder, engine_tokenizer: Any
 ) -> None:
     reqs = [r for wl in small_workloads() for r in wl.requests]
-    if SHARED_TRACE is not None:
-        reqs += workloads.mooncake(limit=4).requests
+    reqs += workloads.mooncake(limit=4).requests
     for req in reqs:
         ids = builder.token_ids(req)
         assert len(ids) == req.input_length
@@ -150,11 +147,11 @@ def test_mooncake_default_path_from_environment(
         workloads.mooncake()
 
 
-@needs_trace
-def test_shared_trace_head_blocks_follow_hash_ids() -> None:
+def test_shipped_trace_head_blocks_follow_hash_ids() -> None:
     wl = workloads.mooncake(limit=200)
     assert len(wl.requests) == 200
-    lines = SHARED_TRACE.read_text().splitlines()[:200] if SHARED_TRACE else []
+    with lzma.open(workloads.default_mooncake_path(), "rt") as fh:
+        lines = [next(fh) for _ in range(200)]
     by_len = sorted(json.loads(x)["input_length"] for x in lines)
     assert sorted(r.input_length for r in wl.requests) == by_len
     tokens = workloads.synthetic_tokens()
@@ -178,10 +175,10 @@ def test_shared_trace_head_blocks_follow_hash_ids() -> None:
     assert checked > 0
 
 
-@needs_trace
 def test_oracle_reproduces_the_published_mooncake_hit_ratio() -> None:
-    """workloads.md §1.2: token hit 0.3736 with an infinite shared cache of 512-token
-    blocks. The engine-exact oracle (full blocks, BOS shifts blocks by one token, at
+    """With an infinite shared cache of 512-token blocks the trace's hash ids reuse 0.3736
+    of its prompt tokens (the figure the Mooncake paper's trace analysis gives for this
+    trace). The engine-exact oracle (full blocks, BOS shifts blocks by one token, at
     most n-1 reusable) lands just under it."""
     wl = workloads.mooncake(spread_batches=False)
     assert len(wl.requests) == 12031
@@ -201,8 +198,7 @@ def test_streamed_oracle_equals_token_oracle(block_size: int, tmp_path: Path) ->
         {"timestamp": 5, "input_length": 2000, "output_length": 1, "hash_ids": [0, 1, 2, 3]},
     ]
     cases = [workloads.mooncake(write_trace(tmp_path / "t.jsonl", rows)), *small_workloads()]
-    if SHARED_TRACE is not None:
-        cases.append(workloads.mooncake(limit=200))
+    cases.append(workloads.mooncake(limit=200))
     for wl in cases:
         tokens = workloads.synthetic_tokens(seed=1)
         by_tokens = oracle_hit_ratio((tokens.token_ids(r) for r in wl.requests), block_size)

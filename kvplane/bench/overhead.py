@@ -1109,7 +1109,7 @@ def kvplane_rows(runs: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def check_targets(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's acceptance targets, at 8K tokens, as PASS/FAIL with the ratio behind
+    """The project's router-overhead targets, at 8K tokens, as PASS/FAIL with the ratio behind
     each, for every kvplane variant (named in brackets unless it is plain ``kvplane``)."""
     out: list[dict[str, Any]] = []
     for variant in kvplane_rows(runs) or ["kvplane"]:

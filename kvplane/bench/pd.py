@@ -40,7 +40,6 @@ from typing import Any
 import yaml
 
 from kvplane.bench import pd_report
-from kvplane.bench.metrics import oracle_hit_ratio, summarize
 from kvplane.bench.procs import (
     HOST,
     bench_main,
@@ -61,7 +60,10 @@ from kvplane.bench.procs import (
 from kvplane.bench.replay import ReplayItem, replay
 from kvplane.bench.routers import EngineEndpoint, ModelFacts, RouterLaunch, kvplane_config
 from kvplane.bench.routing import MODEL, Progress, model_facts, start_fleet
-from kvplane.bench.workloads import (
+from kvplane.sim.profiles import PROFILES, EngineProfile
+from kvplane.sim.timing import decode_step_ms, prefill_ms
+from kvplane.workload.results import STALL_S, oracle_hit_ratio, summarize
+from kvplane.workload.traces import (
     MOONCAKE_BLOCK,
     WORKLOAD_NAMES,
     PromptBuilder,
@@ -69,8 +71,6 @@ from kvplane.bench.workloads import (
     Workload,
     build_workload,
 )
-from kvplane.sim.profiles import PROFILES, EngineProfile
-from kvplane.sim.timing import decode_step_ms, prefill_ms
 
 MODES = pd_report.MODES
 PREFILL_HEAVY = pd_report.PREFILL_HEAVY
@@ -493,7 +493,7 @@ def run_mode(
     gaps = pd_report.merge_delta(gaps0, gaps1)
     p99 = pd_report.bucket_quantile(gaps, 0.99)
     row["token_gap_p99_ms"] = None if p99 is None else round(p99 * 1000.0, 1)
-    stalled = pd_report.share_above(gaps, pd_report.STALL_S)
+    stalled = pd_report.share_above(gaps, STALL_S)
     row["stalled_token_share"] = None if stalled is None else round(stalled, 4)
     row["prefill_tokens_computed"] = sum(prefill.values())
     row["transferred_tokens"] = int(sum(s["transferred_tokens"] for s in engines.values()))

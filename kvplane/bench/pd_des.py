@@ -24,7 +24,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvplane.bench import pd_report
-from kvplane.bench.metrics import oracle_hit_ratio
 from kvplane.bench.pd import (
     FLEX,
     FLEX_AGGREGATE_MAX,
@@ -50,6 +49,7 @@ from kvplane.bench.routing_report import fmt
 from kvplane.router.config import LinkClass, LinkCost, PDSpec
 from kvplane.sim.des_pd import Topology, run_des_pd
 from kvplane.sim.profiles import PROFILES
+from kvplane.workload.results import oracle_hit_ratio
 
 SECTION = "## Prefill/decode disaggregation in virtual time (DES)"
 SEEDED = (PREFILL_HEAVY, "gsp")  # workloads a seed draws anew
@@ -203,7 +203,7 @@ def groups(rows: Sequence[Mapping[str, Any]]) -> dict[tuple[Any, ...], list[Mapp
 
 
 def check_targets(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Issue #5's targets (``pd_report.check_targets``) per fleet, workload, seed and
+    """The project's P/D targets (``pd_report.check_targets``) per fleet, workload, seed and
     P/D split: the conditional row against the aggregated and disaggregated rows of
     the same group (conditional-flex has no split: it goes with every one)."""
     out: list[dict[str, Any]] = []

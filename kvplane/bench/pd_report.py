@@ -30,7 +30,6 @@ PREFILL_HEAVY = "prefill-heavy"
 # that started over 100 ms of wall time late, because the shared machine was busy)
 # measured the machine as much as the fleet: its targets are marked untrusted.
 MAX_RESYNCS = 20
-STALL_S = 0.1  # a token gap this long had a prefill chunk (or a KV wait) in its step
 TTFT_SLACK = 1.05  # conditional TTFT p90 <= 1.05 x the better of aggregated, disaggregated
 ITL_RATIO = 0.7  # conditional ITL p99 <= 0.7 x aggregated under prefill-heavy load
 DECISIONS_FAMILY = "kvplane_router_pd_decisions"
@@ -117,7 +116,7 @@ def _usable(r: Mapping[str, Any] | None, key: str) -> bool:
 
 
 def check_targets(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Issue #5's targets per workload, for each conditional mode run (``conditional``
+    """The project's P/D targets per workload, for each conditional mode run (``conditional``
     on the P/D fleet, ``conditional-flex`` on a fleet of ``both`` pods): TTFT p90 within
     5% of the better of aggregated and always-disaggregated; under prefill-heavy load,
     ITL p99 at least 30% below aggregated. A mode with errors cannot be the reference,

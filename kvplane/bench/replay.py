@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvplane.bench.metrics import RequestResult
-from kvplane.bench.workloads import TraceRequest
+from kvplane.workload.results import RequestResult
+from kvplane.workload.traces import TraceRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.bench import routing_report
-from kvplane.bench.metrics import RequestResult, oracle_hit_ratio, summarize
 from kvplane.bench.procs import (
     HOST,
     Proc,
@@ -49,9 +48,10 @@ from kvplane.bench.procs import (
 )
 from kvplane.bench.replay import ReplayItem, replay
 from kvplane.bench.routers import ALL_ROUTERS, EngineEndpoint, ModelFacts, launch_for
-from kvplane.bench.workloads import WORKLOAD_NAMES, PromptBuilder, Workload, build_workload
 from kvplane.router.config import CostParams
 from kvplane.router.tiers import Tier
+from kvplane.workload.results import RequestResult, oracle_hit_ratio, summarize
+from kvplane.workload.traces import WORKLOAD_NAMES, PromptBuilder, Workload, build_workload
 
 MODEL = "sim-llama-3.1-8b"
 

@@ -39,7 +39,7 @@ def best_peer(runs: Sequence[Mapping[str, Any]], workload: str) -> Mapping[str, 
 
 
 def check_targets(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's targets, per target workload present in ``runs``."""
+    """The project's routing targets, per target workload present in ``runs``."""
     out: list[dict[str, Any]] = []
     for wl in TARGET_WORKLOADS:
         ours = next((r for r in runs if r["workload"] == wl and r["router"] == "kvplane"), None)
@@ -165,8 +165,12 @@ def ttft_quantiles_ms(ttfts_s: Sequence[float]) -> list[float]:
 
 def plot(doc: Mapping[str, Any], workloads: Sequence[str], stem: Path) -> list[Path]:
     """PNGs of ``workloads`` (those this run measured): TTFT CDF per router; hit ratio
-    against the ceiling; TTFT vs load."""
-    import matplotlib
+    against the ceiling; TTFT vs load. None without matplotlib (``kvplane[plots]``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("bench: no plots (matplotlib is not installed: pip install 'kvplane[plots]')")
+        return []
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -32,21 +32,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final
 
-from kvplane.bench.metrics import (
-    RequestResult,
-    RunRecord,
-    computed_prefill,
-    mean_itl,
-    oracle_hit_ratio,
-    summarize,
-)
-from kvplane.bench.workloads import (
-    PromptBuilder,
-    SegmentTokens,
-    TraceRequest,
-    Workload,
-    synthetic_tokens,
-)
 from kvplane.router.blockkeys import block_keys, generation_root
 from kvplane.router.choice import Decision, RoundRobin, choose_baseline, choose_by_cost
 from kvplane.router.choice import sticky_anchor as _sticky_anchor
@@ -61,6 +46,21 @@ from kvplane.router.tiers import Tier
 from kvplane.sim import events as se
 from kvplane.sim.engine import EngineCore, SimRequest, StepOutput
 from kvplane.sim.profiles import PROFILES, EngineProfile
+from kvplane.workload.results import (
+    RequestResult,
+    RunRecord,
+    computed_prefill,
+    mean_itl,
+    oracle_hit_ratio,
+    summarize,
+)
+from kvplane.workload.traces import (
+    PromptBuilder,
+    SegmentTokens,
+    TraceRequest,
+    Workload,
+    synthetic_tokens,
+)
 
 ROUTERS: Final[dict[str, Policy]] = {
     "kvplane": Policy.COST,

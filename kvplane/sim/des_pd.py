@@ -35,15 +35,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Final
 
-from kvplane.bench.metrics import (
-    RequestResult,
-    RunRecord,
-    computed_prefill,
-    percentile,
-    summarize,
-)
-from kvplane.bench.pd_report import STALL_S
-from kvplane.bench.workloads import PromptBuilder, TraceRequest, Workload, synthetic_tokens
 from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import Backend, BackendRole, LinkClass, PDSpec
 from kvplane.router.pd.choice import PDReason, choose_pd
@@ -63,6 +54,15 @@ from kvplane.sim.des import (
 from kvplane.sim.engine import SimRequest, StepOutput
 from kvplane.sim.hashing import block_hashes
 from kvplane.sim.profiles import EngineProfile
+from kvplane.workload.results import (
+    STALL_S,
+    RequestResult,
+    RunRecord,
+    computed_prefill,
+    percentile,
+    summarize,
+)
+from kvplane.workload.traces import PromptBuilder, TraceRequest, Workload, synthetic_tokens
 
 PREFILL_SUFFIX: Final = "/prefill"
 

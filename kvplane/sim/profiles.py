@@ -1,7 +1,11 @@
 """Named engine profiles: capacity, scheduler limits and timing coefficients.
 
-Every coefficient is derived from public figures in ``shared/research/workloads.md`` §5
-(the derivations are in each profile's comment and in docs/simulator.md, "Engine model").
+Every coefficient is derived from public figures: H100 SXM specifications (HBM3 3.35 TB/s,
+989 dense BF16 TFLOPS, PCIe Gen5 host links), Vidur's H100 operator profiles
+(github.com/microsoft/vidur, ``data/profiling/compute/h100``), NVIDIA NIM's published
+Llama-3.1-8B/70B inter-token latencies, llm-d's ``peakPrefillThroughput`` calibrations and
+the models' public configs for KV bytes per token. The derivations are in each profile's
+comment and in docs/simulator.md, "Engine model".
 The timing model that uses them is :mod:`kvplane.sim.timing`:
 
 - one forward (scheduler step) costs ``hypot(base, prefill_tokens / rate) + attention``,

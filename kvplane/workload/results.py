@@ -15,10 +15,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any, Final, overload
 
-from kvplane.bench.workloads import TraceRequest, Workload
 from kvplane.router.blockkeys import chain_keys
+from kvplane.workload.traces import TraceRequest, Workload
+
+STALL_S: Final = 0.1  # a token gap this long had a prefill chunk (or a KV wait) in its step
 
 
 @dataclass(slots=True)

@@ -9,9 +9,11 @@ equal token blocks in any order and any process, and a trace of 145 M prompt tok
 (Mooncake) stays a few megabytes until a prompt is actually needed. Prefix reuse is
 expressed by sharing leading segment ids, exactly as Mooncake's prefix ``hash_ids``.
 
-Sources of the shapes (see ``/work/shared/research/workloads.md`` §1 and §3):
+Sources of the shapes:
 
-- ``mooncake``: kvcache-ai/Mooncake FAST'25 conversation trace (512-token hash ids).
+- ``mooncake``: the conversation trace of the Mooncake FAST'25 release
+  (https://github.com/kvcache-ai/Mooncake, ``FAST25-release/traces/conversation_trace.jsonl``,
+  Apache-2.0; a copy ships in ``data/``): 512-token prefix hash ids.
 - ``generated_shared_prefix``: SGLang ``bench_serving --dataset-name
   generated-shared-prefix`` defaults (64 groups x 16, system 2048, question 128, output 256).
 - ``multi_round_qa``: production-stack ``benchmarks/multi-round-qa`` (shared system
@@ -23,6 +25,7 @@ Sources of the shapes (see ``/work/shared/research/workloads.md`` §1 and §3):
 from __future__ import annotations
 
 import json
+import lzma
 import math
 import os
 import random
@@ -33,11 +36,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from pathlib import Path
-from typing import Any, Final
+from typing import IO, Any, Final
 
 import xxhash
 
-MOONCAKE_FILE = "mooncake_conversation_trace.jsonl"
+MOONCAKE_FILE = "mooncake_conversation_trace.jsonl.xz"
 MOONCAKE_ENV = "KVPLANE_MOONCAKE_TRACE"
 MOONCAKE_BLOCK = 512
 MOONCAKE_BATCH_MS = 3000.0  # the trace's timestamps come in ~3 s batches (workloads.md §1.1)
@@ -246,22 +249,16 @@ class PromptBuilder:
 
 
 def default_mooncake_path() -> Path:
-    """``$KVPLANE_MOONCAKE_TRACE``, else ``<project root>/../shared/data/<file>``."""
+    """``$KVPLANE_MOONCAKE_TRACE``, else the copy shipped in this package (xz)."""
     env = os.environ.get(MOONCAKE_ENV)
-    if env:
-        return Path(env)
-    candidates = [
-        Path(__file__).resolve().parents[2].parent / "shared" / "data" / MOONCAKE_FILE,
-        Path.cwd().resolve().parent / "shared" / "data" / MOONCAKE_FILE,
-    ]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"Mooncake trace not found (looked at {', '.join(map(str, candidates))}); "
-        f"set {MOONCAKE_ENV} or pass a path (upstream: kvcache-ai/Mooncake "
-        "FAST25-release/traces/conversation_trace.jsonl)"
-    )
+    return Path(env) if env else Path(__file__).with_name("data") / MOONCAKE_FILE
+
+
+def _open_text(path: Path) -> IO[str]:
+    """A trace file, xz-compressed (``.xz``) or plain."""
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
 
 
 def _spread(stamps_ms: Sequence[float]) -> list[float]:
@@ -299,7 +296,7 @@ def mooncake(
         raise ValueError("rate_scale must be positive")
     src = path if path is not None else default_mooncake_path()
     rows: list[dict[str, Any]] = []
-    with open(src, encoding="utf-8") as fh:
+    with _open_text(Path(src)) as fh:
         for lineno, line in enumerate(fh):
             if lineno < start:
                 continue
