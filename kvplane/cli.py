@@ -70,7 +70,10 @@ def _indexer(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from kvplane.demo import run_demo
+    try:
+        from kvplane.demo import run_demo
+    except ImportError as exc:  # the demo extra: the openai client
+        raise SystemExit(f"kvplane demo needs {exc.name}: pip install 'kvplane[demo]'") from exc
 
     return run_demo(args)
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from kvplane.router.config import CostParams
+from kvplane.router.policies import options_model, policy_names
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict, JsonValue
 
@@ -114,36 +116,54 @@ class EngineSpec(Model):
     env: list[FreeForm] = Field(default_factory=list, description="extra container env vars")
 
 
-class Policy(StrEnum):
-    COST = "cost"
-    ROUND_ROBIN = "round_robin"
-    LEAST_LOADED = "least_loaded"
-    STICKY = "sticky"
-
-
 class ServiceType(StrEnum):
     CLUSTER_IP = "ClusterIP"
     NODE_PORT = "NodePort"
     LOAD_BALANCER = "LoadBalancer"
 
 
+def _router_default(name: str) -> Any:
+    """A cost parameter's default as the router defines it (one place for every default)."""
+    return CostParams.model_fields[name].default
+
+
 class RouterCost(Model):
-    prefill_tokens_per_s: Annotated[float, Field(gt=0)] = 30000.0
-    running_step_ms_per_request: Annotated[float, Field(ge=0)] = 0.05
-    load_cap: Annotated[float, Field(ge=1)] = 2.0
-    tentative_ttl_s: Annotated[float, Field(gt=0)] = 10.0
+    prefill_tokens_per_s: Annotated[float, Field(gt=0)] = _router_default("prefill_tokens_per_s")
+    running_step_ms_per_request: Annotated[float, Field(ge=0)] = _router_default(
+        "running_step_ms_per_request"
+    )
+    load_cap: Annotated[float, Field(ge=1)] = _router_default("load_cap")
+    tentative_ttl_s: Annotated[float, Field(gt=0)] = _router_default("tentative_ttl_s")
 
 
 class RouterSpec(Model):
     replicas: Annotated[int, Field(ge=0, le=100)] = 2
     image: str | None = Field(default=None, description="defaults to the operator's image")
-    policy: Policy = Policy.COST
+    policy: str = Field(
+        default="cost",
+        description="routing policy: cost (kvplane's), or a baseline",
+        json_schema_extra={"enum": list(policy_names())},
+    )
+    policy_options: FreeForm = Field(
+        default_factory=dict, description="the policy's own settings (docs/router.md)"
+    )
     cost: RouterCost = Field(default_factory=RouterCost)
     service_type: ServiceType = ServiceType.CLUSTER_IP
     port: Annotated[int, Field(ge=1, le=65535)] = 8000
     api_keys_secret_ref: LocalObjectRef | None = Field(
         default=None, description="Secret whose values are accepted bearer tokens"
     )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        options_model(name)  # raises for an unknown name, listing the known ones
+        return name
+
+    @model_validator(mode="after")
+    def _policy_options(self) -> RouterSpec:
+        options_model(self.policy).model_validate(self.policy_options)
+        return self
 
 
 class ManagedRedis(Model):

@@ -21,16 +21,19 @@ from fastapi import FastAPI, Request
 from kvplane.router.config import Backend, RouterConfig
 from kvplane.router.discovery import Discovery, StaticDiscovery
 from kvplane.router.errors import APIError
-from kvplane.router.forwarder import Forwarder, header_lines
+from kvplane.router.forwarder import Forwarder
 from kvplane.router.generation import generation_tag
+from kvplane.router.headers import forward_headers, header_lines
 from kvplane.router.index.base import ResidencyIndex
+from kvplane.router.index.guarded import GuardedIndex
+from kvplane.router.index.instrumented import InstrumentedIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.kvevents.service import Indexer
 from kvplane.router.pd.handoff import PDService
-from kvplane.router.pipeline import IndexGuard, Routed, RoutingPipeline
+from kvplane.router.pipeline import Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
-from kvplane.router.proxy import Proxy, forward_headers
+from kvplane.router.proxy import Dispatch, Proxy
 from kvplane.router.request import ParsedRequest, parse_request
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
@@ -56,7 +59,7 @@ def make_index(config: RouterConfig, generation: str) -> ResidencyIndex:
         return RedisIndex(
             config.index.url,
             generation,
-            # lookups are cut at lookup_timeout_ms by the IndexGuard, not the socket
+            # lookups are cut at lookup_timeout_ms by the GuardedIndex, not the socket
             config.index.io_timeout_ms / 1000,
             # an external index's password comes from a Secret (the operator sets the env)
             password=os.environ.get("KVPLANE_INDEX_PASSWORD") or None,
@@ -102,8 +105,9 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
     client = httpx.AsyncClient(limits=limits, timeout=timeout)
-    guard = IndexGuard(index, config.index.lookup_timeout_ms / 1000, metrics)
-    pipeline = RoutingPipeline(config, tokenizer, guard, pool, metrics, generation)
+    timeout_s = config.index.lookup_timeout_ms / 1000
+    guarded = GuardedIndex(InstrumentedIndex(index, metrics), timeout_s, metrics)
+    pipeline = RoutingPipeline(config, tokenizer, guarded, pool, metrics, generation)
     forwarder = Forwarder(config.connect_timeout_s, config.read_timeout_s)
     proxy = Proxy(forwarder, pool, metrics, config.max_attempts)
     router = Router(config, generation, tokenizer, index, pool, metrics, pipeline, proxy, client)
@@ -215,11 +219,16 @@ def create_app(
                 await response(scope, receive, send)
                 return
             routed = await router.pipeline.route(req, defer_tail=True)
+            answer = _Answer(router, routed, request_id)
             lines = header_lines(raw_headers, request_id.encode("latin-1"))
-            code = await _forward(
-                router, raw, lines, req, routed, request_id, path, received, receive, send
+            dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
+            _child(router, router.metrics.added, *label_values).observe(
+                time.perf_counter() - received
             )
-            status = str(code)
+            try:
+                status = str(await router.proxy.send(dispatch, receive, send))
+            finally:
+                answer.done()
         except APIError as exc:
             status = str(exc.status)
             await exc.response({"x-request-id": request_id})(scope, receive, send)
@@ -241,8 +250,7 @@ def create_app(
         """Each candidate's cost terms for a request body, without sending it."""
         try:
             raw = await request.body()
-            kind = "chat" if b'"messages"' in raw else "completions"
-            req = parse_request(raw, kind)
+            req = parse_request(raw)  # chat when the body has "messages"
             _check_model(config, req)
             if router.pd is not None:
                 return JSONResponse(router.pd.explain(await router.pd.route(req)))
@@ -350,77 +358,63 @@ def _check_model(config: RouterConfig, req: ParsedRequest) -> None:
         )
 
 
-async def _forward(
-    router: Router,
-    raw: bytes,
-    lines: bytes,
-    req: ParsedRequest,
-    routed: Routed,
-    request_id: str,
-    path: str,
-    received: float,
-    receive: Receive,
-    send: Send,
-) -> int:
-    m = router.metrics
-    d = routed.decision
-    lv = tuple(m.labels.values())
-    _child(router, m.decisions, *lv, d.reason, d.pod).inc()
-    prompt_tokens = _child(router, m.prompt_tokens, *lv)
-    prompt = routed.prompt
-    served: list[str] = []  # the pod that answered
+class _Answer:
+    """How one routed request hears of its answer (the proxy's ``DispatchObserver``):
+    the pod that takes it is marked as holding the prompt's blocks until its events say
+    otherwise, and the engine's reported cached tokens feed the drift metrics."""
 
-    def mark(pod: str, keys: list[int]) -> None:
-        """The pod will hold these blocks until its events say otherwise."""
-        if keys:
-            ttl = router.config.cost.tentative_ttl_s
-            task = asyncio.create_task(router.index.mark_tentative(pod, keys, ttl))
-            task.add_done_callback(_log_task_error)
+    def __init__(self, router: Router, routed: Routed, request_id: str) -> None:
+        self._router, self._routed, self._request_id = router, routed, request_id
+        m = router.metrics
+        lv = tuple(m.labels.values())
+        d = routed.decision
+        _child(router, m.decisions, *lv, d.reason, d.pod).inc()
+        self._prompt_tokens = _child(router, m.prompt_tokens, *lv)
+        self._served: str | None = None
+        self._predicted = d.terms[d.pod].cached_tokens if d.pod in d.terms else None
+        if not routed.prompt.partial:
+            self._whole(routed.prompt.tokens, routed.prompt.keys)
 
-    def whole(tokens: Sequence[int], keys: list[int]) -> None:
-        prompt_tokens.inc(len(tokens))
-        router.pool.observe_prompt(len(tokens))
-        if prompt.partial and served:  # the tail's blocks, now that they have keys
-            mark(served[0], keys[len(prompt.keys) :])
+    def dispatch(self, path: bytes, body: bytes, lines: bytes, stream: bool) -> Dispatch:
+        d, n = self._routed.decision, self._routed.prompt.n_tokens  # n: an estimate if partial
+        uncached = {p: n - t.cached_tokens for p, t in d.terms.items()} or dict.fromkeys(
+            d.ranked, n
+        )
+        return Dispatch(path, body, lines, d.ranked, uncached, n, stream, self)
 
-    if not prompt.partial:
-        whole(prompt.tokens, prompt.keys)
-    n = prompt.n_tokens  # an estimate while the tail of a partial prompt is not encoded
-    uncached = {p: n - t.cached_tokens for p, t in d.terms.items()} or dict.fromkeys(d.ranked, n)
-    predicted = d.terms[d.pod].cached_tokens if d.pod in d.terms else None
-
-    def on_reported(cached: int) -> None:
-        m.reported_cached.labels(**m.labels).inc(cached)
-        if predicted is not None:
-            m.predicted_cached.labels(**m.labels).inc(predicted)
-
-    def headers_for(pod: str, attempts: int) -> dict[str, str]:
-        served.append(pod)
+    def headers_for(self, pod: str, attempts: int) -> dict[str, str]:
+        self._served = pod
+        routed = self._routed
         # only the blocks the pod does not hold already need a mark (a shared prefix: few)
         held = routed.matches.get(pod, {}).get(Tier.HBM, 0) if routed.matches else 0
-        mark(pod, prompt.keys[held:])
-        return _headers(routed, request_id, pod, attempts)
+        self._mark(pod, routed.prompt.keys[held:])
+        return _headers(routed, self._request_id, pod, attempts)
 
-    _child(router, m.added, *lv).observe(time.perf_counter() - received)
-    try:
-        return await router.proxy.send(
-            path.encode(),
-            raw,
-            lines,
-            d.ranked,
-            uncached,
-            n,
-            req.stream,
-            headers_for,
-            on_reported,
-            receive,
-            send,
-        )
-    finally:
-        if prompt.partial:
-            # A partial prompt's tail is encoded once the answer is out: off the
-            # request's path, and before a follow-up of this conversation can come.
-            prompt.when_whole(whole)
+    def reported(self, cached_tokens: int) -> None:
+        m = self._router.metrics
+        m.reported_cached.labels(**m.labels).inc(cached_tokens)
+        if self._predicted is not None:
+            m.predicted_cached.labels(**m.labels).inc(self._predicted)
+
+    def done(self) -> None:
+        """The answer is out: a partial prompt's tail is encoded now, off the request's
+        path, and before a follow-up of this conversation can come."""
+        if self._routed.prompt.partial:
+            self._routed.prompt.when_whole(self._whole)
+
+    def _whole(self, tokens: Sequence[int], keys: list[int]) -> None:
+        self._prompt_tokens.inc(len(tokens))
+        self._router.pool.observe_prompt(len(tokens))
+        prompt = self._routed.prompt
+        if prompt.partial and self._served is not None:  # the tail's blocks, now keyed
+            self._mark(self._served, keys[len(prompt.keys) :])
+
+    def _mark(self, pod: str, keys: list[int]) -> None:
+        """The pod will hold these blocks until its events say otherwise."""
+        if keys:
+            ttl = self._router.config.cost.tentative_ttl_s
+            task = asyncio.create_task(self._router.index.mark_tentative(pod, keys, ttl))
+            task.add_done_callback(_log_task_error)
 
 
 def _log_task_error(task: asyncio.Task[None]) -> None:
@@ -459,7 +453,7 @@ def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
     return {
         "pod": d.pod,
         "reason": d.reason,
-        "policy": router.config.policy.value,
+        "policy": router.config.policy,
         "prompt_tokens": len(routed.tokens),
         "blocks": len(routed.keys),
         "block_size": router.config.model.block_size,

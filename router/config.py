@@ -12,18 +12,11 @@ from typing import Annotated, Any
 
 import yaml
 from kvplane.router.tiers import Tier
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class Policy(StrEnum):
-    COST = "cost"
-    ROUND_ROBIN = "round_robin"
-    LEAST_LOADED = "least_loaded"
-    STICKY = "sticky"
 
 
 class ModelSpec(_Strict):
@@ -236,7 +229,14 @@ class RouterConfig(_Strict):
     discovery: KubernetesDiscoverySpec | None = Field(
         default=None, description="discover backends in Kubernetes instead of `backends`"
     )
-    policy: Policy = Policy.COST
+    policy: str = Field(
+        default="cost",
+        description="a routing policy by name (kvplane.router.policies): cost (kvplane's), "
+        "or a baseline: round_robin, least_loaded, sticky, prefix_affinity",
+    )
+    policy_options: dict[str, Any] = Field(
+        default_factory=dict, description="the policy's own settings (docs/router.md)"
+    )
     cost: CostParams = Field(default_factory=CostParams)
     index: IndexSpec = Field(default_factory=IndexSpec)
     scrape_interval_s: Annotated[float, Field(gt=0)] = 1.0
@@ -247,6 +247,21 @@ class RouterConfig(_Strict):
     pd: PDSpec | None = Field(
         default=None, description="prefill/decode disaggregation over backends' roles"
     )
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, name: str) -> str:
+        from kvplane.router.policies import options_model  # the policies import this module
+
+        options_model(name)  # raises for an unknown name, listing the known ones
+        return name
+
+    @model_validator(mode="after")
+    def _policy_options(self) -> RouterConfig:
+        from kvplane.router.policies import options_model
+
+        options_model(self.policy).model_validate(self.policy_options)
+        return self
 
     @model_validator(mode="after")
     def _unique_backends(self) -> RouterConfig:

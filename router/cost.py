@@ -21,9 +21,10 @@ simulator share them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvplane.router.config import CostParams
+from kvplane.router.config import CostParams, RouterConfig
 from kvplane.router.tiers import TIER_ORDER, Tier
 
 
@@ -40,6 +41,7 @@ class PodLoad:
     engine_running: float = 0.0  # vllm:num_requests_running (scraped)
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (scraped)
     recent_prefill_tokens: float = 0.0  # router-sent uncached tokens, decayed (half-life)
+    mean_request_tokens: float = 1024.0  # the fleet's mean prompt: size of an unseen request
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,19 +58,19 @@ class CostTerms:
         return self.queue_ms + self.transfer_ms + self.recompute_ms
 
 
-def pending_prefill_ms(load: PodLoad, params: CostParams, mean_request_tokens: float) -> float:
+def pending_prefill_ms(load: PodLoad, params: CostParams) -> float:
     """Prefill already queued on the pod, at its prefill throughput."""
     # Requests waiting that the router did not send (another replica's, a direct
     # client's), counted against the router's pending at the scrape's instant: a scrape
     # is up to an interval old, and its waiting requests may have started since.
     unseen_waiting = max(0.0, load.engine_waiting - load.scraped_pending_requests)
-    pending = load.pending_prefill_tokens + unseen_waiting * mean_request_tokens
+    pending = load.pending_prefill_tokens + unseen_waiting * load.mean_request_tokens
     return pending / params.prefill_tokens_per_s * 1000.0
 
 
-def queue_ms(load: PodLoad, params: CostParams, mean_request_tokens: float) -> float:
+def queue_ms(load: PodLoad, params: CostParams) -> float:
     running = max(load.engine_running, float(load.inflight - load.pending_requests))
-    wait = pending_prefill_ms(load, params, mean_request_tokens)
+    wait = pending_prefill_ms(load, params)
     wait += running * params.running_step_ms_per_request
     if load.kv_usage >= params.kv_pressure_threshold:
         wait += params.kv_pressure_penalty_ms
@@ -84,43 +86,53 @@ def transfer_ms(tokens: int, tier: Tier, params: CostParams, kv_bytes_per_token:
     return t.latency_ms + tokens * kv_bytes_per_token / (t.bandwidth_gbps * 1e9) * 1000.0
 
 
-def predict(
-    pod: str,
-    prompt_tokens: int,
-    match: dict[Tier, int],
-    load: PodLoad,
-    params: CostParams,
-    block_size: int,
-    kv_bytes_per_token: int,
-    mean_request_tokens: float,
-) -> CostTerms:
-    """Cost terms of serving ``prompt_tokens`` on ``pod`` given its resident prefix."""
-    # The engine always computes the last prompt token, so at most n-1 are reusable.
-    reusable = max(0, prompt_tokens - 1)
-    per_token_ms = 1000.0 / params.prefill_tokens_per_s
-    resident = min(match.get(Tier.HBM, 0) * block_size, reusable)
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """The cost parameters with the facts of the model they apply to: everything the
+    prediction needs besides the request and the pod."""
 
-    best_loaded: dict[Tier, int] = {}
-    best_transfer, best_covered = 0.0, resident
-    best_total = (prompt_tokens - resident) * per_token_ms
-    loaded: dict[Tier, int] = {}
-    covered, transfer = resident, 0.0
-    for tier in TIER_ORDER[1:]:
-        upto = min(match.get(tier, 0) * block_size, reusable)
-        extra = upto - covered
-        if extra <= 0:
-            continue
-        transfer += transfer_ms(extra, tier, params, kv_bytes_per_token)
-        covered = upto
-        loaded = {**loaded, tier: extra}
-        total = transfer + (prompt_tokens - covered) * per_token_ms
-        if total < best_total:
-            best_total, best_transfer, best_covered, best_loaded = total, transfer, covered, loaded
-    return CostTerms(
-        pod=pod,
-        queue_ms=queue_ms(load, params, mean_request_tokens),
-        transfer_ms=best_transfer,
-        recompute_ms=(prompt_tokens - best_covered) * per_token_ms,
-        cached_tokens=best_covered,
-        loaded_from=best_loaded,
-    )
+    params: CostParams
+    block_size: int
+    kv_bytes_per_token: int
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> CostModel:
+        m = config.model
+        return cls(config.cost, m.block_size, m.kv_bytes_per_token)
+
+    def predict(
+        self, pod: str, prompt_tokens: int, match: Mapping[Tier, int], load: PodLoad
+    ) -> CostTerms:
+        """Cost terms of serving ``prompt_tokens`` on ``pod`` given its resident prefix
+        (``match``: leading blocks held per tier or a faster one)."""
+        params, block_size = self.params, self.block_size
+        # The engine always computes the last prompt token, so at most n-1 are reusable.
+        reusable = max(0, prompt_tokens - 1)
+        per_token_ms = 1000.0 / params.prefill_tokens_per_s
+        resident = min(match.get(Tier.HBM, 0) * block_size, reusable)
+
+        best_loaded: dict[Tier, int] = {}
+        best_transfer, best_covered = 0.0, resident
+        best_total = (prompt_tokens - resident) * per_token_ms
+        loaded: dict[Tier, int] = {}
+        covered, transfer = resident, 0.0
+        for tier in TIER_ORDER[1:]:
+            upto = min(match.get(tier, 0) * block_size, reusable)
+            extra = upto - covered
+            if extra <= 0:
+                continue
+            transfer += transfer_ms(extra, tier, params, self.kv_bytes_per_token)
+            covered = upto
+            loaded = {**loaded, tier: extra}
+            total = transfer + (prompt_tokens - covered) * per_token_ms
+            if total < best_total:
+                best_total, best_transfer, best_covered = total, transfer, covered
+                best_loaded = loaded
+        return CostTerms(
+            pod=pod,
+            queue_ms=queue_ms(load, params),
+            transfer_ms=best_transfer,
+            recompute_ms=(prompt_tokens - best_covered) * per_token_ms,
+            cached_tokens=best_covered,
+            loaded_from=best_loaded,
+        )

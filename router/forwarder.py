@@ -38,26 +38,6 @@ import httptools
 HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 
-# Request headers that describe one connection, not the request (RFC 9110 7.6.1),
-# plus the ones this client sets itself. ``accept-encoding`` is dropped so that a
-# backend answers uncompressed: the body is relayed as is.
-HOP_BY_HOP = frozenset(
-    {
-        b"host",
-        b"content-length",
-        b"connection",
-        b"keep-alive",
-        b"transfer-encoding",
-        b"upgrade",
-        b"te",
-        b"trailer",
-        b"proxy-authorization",
-        b"proxy-connection",
-        b"accept-encoding",
-        b"expect",
-    }
-)
-
 
 class BackendUnavailable(Exception):
     """The backend gave no response head; nothing was relayed to the client."""
@@ -459,15 +439,3 @@ class Forwarder:
         for origin in self._origins.values():
             origin.close()
         self._origins.clear()
-
-
-def header_lines(headers: Iterable[tuple[bytes, bytes]], request_id: bytes) -> bytes:
-    """Request headers to forward as ``name: value`` lines: hop-by-hop ones and the
-    client's own ``x-request-id`` dropped, the request's id added."""
-    out = [
-        b"%s: %s\r\n" % (name, value)
-        for name, value in headers
-        if name not in HOP_BY_HOP and name != b"x-request-id"
-    ]
-    out.append(b"x-request-id: " + request_id + b"\r\n")
-    return b"".join(out)

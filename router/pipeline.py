@@ -1,8 +1,8 @@
 """The routing pipeline: request -> tokens -> block keys -> index lookup -> cost -> choice.
 
 Everything but the index lookup is CPU work on local data; the lookup is one
-round trip, guarded so that a slow or dead index degrades routing to sticky
-hashing instead of failing or stalling requests.
+round trip through ``GuardedIndex``, so that a slow or dead index degrades routing to
+sticky hashing instead of failing or stalling requests.
 """
 
 from __future__ import annotations
@@ -15,27 +15,17 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
-from kvplane.router.choice import (
-    Decision,
-    Reason,
-    RoundRobin,
-    choose_baseline,
-    choose_by_cost,
-    sticky_anchor,
-    sticky_order,
-)
-from kvplane.router.config import BackendRole, Policy, RouterConfig
+from kvplane.router.config import BackendRole, RouterConfig
+from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
+from kvplane.router.policies import Decision, RoutingInput, make_policy, route
+from kvplane.router.policies.sticky import index_down
 from kvplane.router.pool import Pool
 from kvplane.router.request import ParsedRequest
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tokens import CachedPrefix, ChatFormatError, PromptTokenizer, prompt_source
 
-# Encoding at most this many characters (about 1000 tokens, 1-3 ms with a regex
-# pre-tokenizer) is done on the event loop: less than a thread hop costs on a busy
-# machine, where the thread then waits for the GIL.
-INLINE_TAIL_CHARS = 4096
 # A new tail longer than this after a cached prefix (~0.7 ms of encoding) is encoded
 # after forwarding when the caller allows it, if it is at most this share of the
 # prompt: text this router never saw may still be resident (another router replica
@@ -44,45 +34,6 @@ DEFER_TAIL_CHARS = 1024
 DEFER_MAX_TAIL_SHARE = 0.25
 
 log = logging.getLogger("kvplane.router")
-
-
-class IndexGuard:
-    """Timeout plus circuit breaker around index lookups.
-
-    After a failure the index is skipped for a back-off that doubles up to 5 s,
-    so an unreachable Redis costs one timeout per back-off, not one per request.
-    """
-
-    def __init__(self, index: ResidencyIndex, timeout_s: float, metrics: RouterMetrics) -> None:
-        self.index = index
-        self._timeout = timeout_s
-        self._metrics = metrics
-        self._lookup_seconds = metrics.index_lookup.labels(**metrics.labels)
-        self._open_until = 0.0
-        self._backoff = 0.25
-
-    @property
-    def available(self) -> bool:
-        return time.monotonic() >= self._open_until
-
-    async def lookup(self, keys: list[int], pods: list[str]) -> PrefixMatches | None:
-        if not self.available:
-            return None
-        start = time.perf_counter()
-        try:
-            if self.index.in_process:
-                result = await self.index.lookup(keys, pods)
-            else:
-                result = await asyncio.wait_for(self.index.lookup(keys, pods), self._timeout)
-        except Exception as exc:  # timeout, connection refused, script error
-            self._metrics.index_errors.labels(**self._metrics.labels).inc()
-            self._open_until = time.monotonic() + self._backoff
-            log.warning("index lookup failed (%s); sticky routing for %.2fs", exc, self._backoff)
-            self._backoff = min(self._backoff * 2, 5.0)
-            return None
-        self._lookup_seconds.observe(time.perf_counter() - start)
-        self._backoff = 0.25
-        return result
 
 
 Whole = tuple[Sequence[int], list[int]]  # a prompt's token ids and block keys
@@ -160,18 +111,19 @@ class RoutingPipeline:
         self,
         config: RouterConfig,
         tokenizer: PromptTokenizer,
-        guard: IndexGuard,
+        index: ResidencyIndex,
         pool: Pool,
         metrics: RouterMetrics,
         generation: str,
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.guard = guard
+        self.index = index  # guarded: lookups that cannot be answered raise IndexUnavailable
         self.pool = pool
         self.metrics = metrics
         self.root = generation_root(generation)
-        self._rr = RoundRobin()
+        self.cost = CostModel.of(config)
+        self.policy = make_policy(config.policy, self.cost, config.policy_options)
         self._tokenize_seconds = metrics.tokenize.labels(**metrics.labels)  # labels() costs µs
         # id(ids of a cached prompt) -> opening special ids -> block keys; an entry goes
         # when the token cache lets go of those ids (weakref.finalize)
@@ -218,17 +170,16 @@ class RoutingPipeline:
         return tokens, prefix_keys + chain_keys(tokens, block, parent, len(prefix_keys))
 
     async def _encode(self, text: str, special: bool, defer_tail: bool) -> Prompt:
-        """Encoding runs in the tokenizer's threads unless at most ``INLINE_TAIL_CHARS``
-        need it. With ``defer_tail``, a long new tail after a cached prefix that covers
-        most of the prompt is encoded once the answer is out: the decision needs only the
-        prefix (text this router has sent before is in its cache, whole prompts
-        included, so new text is resident nowhere it knows of), and the context check
-        only an upper bound on the tail's ids."""
-        prefix = self.tokenizer.cached_prefix(text, special)
+        """Encoding runs on the event loop or in the tokenizer's threads by the size of
+        what needs encoding (``PromptTokenizer.call``). With ``defer_tail``, a long new
+        tail after a cached prefix that covers most of the prompt is encoded once the
+        answer is out: the decision needs only the prefix (text this router has sent
+        before is in its cache, whole prompts included, so new text is resident nowhere
+        it knows of), and the context check only an upper bound on the tail's ids."""
+        tok = self.tokenizer
+        prefix = tok.cached_prefix(text, special)
         if prefix is None:
-            if len(text) <= INLINE_TAIL_CHARS:
-                return self._keys(self.tokenizer.encode_new(text, special))
-            tokens, keys = await self.tokenizer.run(self._new_and_keys, text, special)
+            tokens, keys = await tok.call(len(text), self._new_and_keys, text, special)
             return Prompt(tokens, keys, len(tokens))
         fits = len(prefix.ids) + prefix.max_tail_ids < self.config.model.max_model_len
         keys = self._prefix_keys(prefix)
@@ -236,13 +187,10 @@ class RoutingPipeline:
         if defer_tail and fits and DEFER_TAIL_CHARS < tail <= DEFER_MAX_TAIL_SHARE * len(text):
 
             def complete() -> Awaitable[tuple[list[int], list[int]]]:
-                return self.tokenizer.run(self._complete_and_keys, prefix, keys)
+                return tok.run(self._complete_and_keys, prefix, keys)
 
             return Prompt(prefix.ids, keys, len(prefix.ids) + prefix.tail_estimate, complete)
-        if len(prefix.tail) <= INLINE_TAIL_CHARS:
-            tokens, keys = self._complete_and_keys(prefix, keys)
-            return Prompt(tokens, keys, len(tokens))
-        tokens, keys = await self.tokenizer.run(self._complete_and_keys, prefix, keys)
+        tokens, keys = await tok.call(tail, self._complete_and_keys, prefix, keys)
         return Prompt(tokens, keys, len(tokens))
 
     async def prompt(self, req: ParsedRequest, defer_tail: bool = False) -> Prompt:
@@ -283,7 +231,6 @@ class RoutingPipeline:
         return await self.decide(await self.prompt(req, defer_tail), exclude)
 
     async def decide(self, prompt: Prompt, exclude: frozenset[str] = frozenset()) -> Routed:
-        tokens, keys = prompt.tokens, prompt.keys
         states = self.pool.states
         pods = [
             p
@@ -296,29 +243,11 @@ class RoutingPipeline:
                 "no healthy backend for model "
                 f"'{self.config.model.name}' ({len(self.pool.states)} configured, none healthy)",
             )
-        loads = {p: self.pool.states[p].load() for p in pods}
-        cost = self.config.cost
-        policy = self.config.policy
-        matches: PrefixMatches | None = None
-        if policy is not Policy.COST:
-            anchor = sticky_anchor(keys, tokens, cost.sticky_tokens, self.config.model.block_size)
-            decision = choose_baseline(policy, pods, loads, anchor, self._rr)
-        else:
-            matches = await self.guard.lookup(keys, pods)
-            if matches is None:
-                block = self.config.model.block_size
-                ranked = sticky_order(sticky_anchor(keys, tokens, cost.sticky_tokens, block), pods)
-                decision = Decision(ranked[0], Reason.INDEX_DOWN, ranked, {})
-            else:
-                decision = choose_by_cost(
-                    prompt.n_tokens,
-                    matches,
-                    loads,
-                    cost,
-                    self.config.model.block_size,
-                    self.config.model.kv_bytes_per_token,
-                    self.pool.mean_request_tokens,
-                )
+        inp = RoutingInput(prompt.n_tokens, prompt.tokens, prompt.keys, self.pool.loads(pods))
+        decision, matches = await route(self.policy, self.index, inp, self._index_down)
         terms = decision.terms.get(decision.pod)
         self.pool.note_routed(decision.pod, prompt.n_tokens - (terms.cached_tokens if terms else 0))
         return Routed(prompt, decision, matches)
+
+    def _index_down(self, inp: RoutingInput) -> Decision:
+        return index_down(self.cost, inp)

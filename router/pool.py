@@ -1,6 +1,6 @@
 """Live state of the backends: health, scraped engine load, router-tracked load.
 
-The router's own in-flight accounting is exact and instant; the scraped
+The router's own in-flight accounting (``load.py``) is exact and instant; the scraped
 figures lag by a scrape interval but see traffic from other router replicas.
 The cost model reads both (see ``cost.queue_ms``).
 """
@@ -18,6 +18,7 @@ import httpx
 from kvplane.router.config import Backend
 from kvplane.router.cost import PodLoad
 from kvplane.router.engine_stats import EngineStats, parse_metrics
+from kvplane.router.load import LoadCounters
 
 log = logging.getLogger("kvplane.router.pool")
 
@@ -25,40 +26,15 @@ SLOW_SCRAPES_UNHEALTHY = 3
 
 
 @dataclass
-class BackendState:
+class BackendState(LoadCounters):
+    """A backend's health, its scraped engine figures and the router's own accounting
+    of the load sent there (``LoadCounters``)."""
+
     backend: Backend
     healthy: bool = True
     stats: EngineStats = field(default_factory=EngineStats)
-    pending_tokens: int = 0
-    pending_requests: int = 0
-    scraped_pending_requests: int = 0  # pending_requests when ``stats`` was scraped
-    inflight: int = 0
-    inflight_tokens: int = 0  # prompt tokens of the requests in flight here
     unhealthy_since: float | None = None
     slow_scrapes: int = 0  # consecutive scrapes that timed out
-    recent_tokens: float = 0.0  # uncached prompt tokens routed here, decayed
-    recent_at: float = 0.0
-    half_life_s: float = 30.0  # "lately": a few prefix lifetimes on a busy pod
-
-    def recent(self, now: float) -> float:
-        """Prefill work sent here lately (tokens, exponentially decayed to ``now``)."""
-        if self.recent_tokens <= 0.0:
-            return 0.0
-        decay = 2.0 ** (-max(0.0, now - self.recent_at) / self.half_life_s)
-        return float(self.recent_tokens * decay)
-
-    def add_recent(self, tokens: int, now: float) -> None:
-        self.recent_tokens = self.recent(now) + tokens
-        self.recent_at = now
-
-    def book(self, context_tokens: int) -> None:
-        """A request is in flight here (sent, or booked for a decode leg to come)."""
-        self.inflight += 1
-        self.inflight_tokens += context_tokens
-
-    def unbook(self, context_tokens: int) -> None:
-        self.inflight -= 1
-        self.inflight_tokens -= context_tokens
 
     def observe(self, stats: EngineStats) -> None:
         """A fresh scrape: remember what the router had pending at that instant, which
@@ -66,7 +42,7 @@ class BackendState:
         self.stats = stats
         self.scraped_pending_requests = self.pending_requests
 
-    def load(self, now: float | None = None) -> PodLoad:
+    def load(self, mean_request_tokens: float, now: float | None = None) -> PodLoad:
         return PodLoad(
             recent_prefill_tokens=self.recent(time.monotonic() if now is None else now),
             pending_prefill_tokens=self.pending_tokens,
@@ -77,27 +53,8 @@ class BackendState:
             scraped_pending_requests=self.scraped_pending_requests,
             engine_running=self.stats.running,
             kv_usage=self.stats.kv_usage,
+            mean_request_tokens=mean_request_tokens,
         )
-
-
-@dataclass(slots=True)
-class Booking:
-    """A P/D decode pod counted busy from the choice until a decode leg's own
-    ``Attempt`` counts it, so that requests arriving while the prefill runs see it
-    taken. Releasing twice is harmless."""
-
-    state: BackendState | None = None
-    tokens: int = 0
-
-    def hold(self, state: BackendState | None, tokens: int) -> None:
-        if state is not None:
-            state.book(tokens)
-            self.state, self.tokens = state, tokens
-
-    def release(self) -> None:
-        if self.state is not None:
-            self.state.unbook(self.tokens)
-            self.state = None
 
 
 class Pool:
@@ -120,6 +77,11 @@ class Pool:
             else:
                 self.states[n] = BackendState(b)
         return added, removed
+
+    def loads(self, names: Sequence[str], now: float | None = None) -> dict[str, PodLoad]:
+        """What the cost model reads of each named pod, now."""
+        states, mean = self.states, self.mean_request_tokens
+        return {n: states[n].load(mean, now) for n in names}
 
     def healthy(self) -> list[str]:
         return [n for n, s in self.states.items() if s.healthy]

@@ -16,9 +16,9 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from kvplane.router.errors import APIError, sse_error
 from kvplane.router.forwarder import (
@@ -27,63 +27,38 @@ from kvplane.router.forwarder import (
     ResponseBroken,
     UpstreamResponse,
 )
-from kvplane.router.pool import BackendState, Pool
+from kvplane.router.load import Attempt
+from kvplane.router.pool import Pool
 from kvplane.router.telemetry import RouterMetrics
 from starlette.types import Receive, Send
 
 log = logging.getLogger("kvplane.router.proxy")
 
-_HOP = {
-    "host",
-    "content-length",
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "upgrade",
-    "te",
-    "trailer",
-    "proxy-authorization",
-    "proxy-connection",
-    "accept-encoding",
-}
 _PASS_BACK = (b"content-type", b"x-request-id")
 
 
-@dataclass
-class Attempt:
-    """One send to one pod, with the accounting to undo when it ends."""
+class DispatchObserver(Protocol):
+    """How the caller hears of a dispatch's progress."""
 
-    state: BackendState
-    uncached_tokens: int
-    started: float
-    context_tokens: int = 0  # the prompt: the KV the request holds there while in flight
-    first_byte: bool = False
-    done: bool = False
+    def headers_for(self, pod: str, attempts: int) -> dict[str, str]:
+        """``pod`` answered (after ``attempts`` tries): the headers to add to the response."""
 
-    def begin(self) -> None:
-        s = self.state
-        s.pending_tokens += self.uncached_tokens
-        s.pending_requests += 1
-        s.book(self.context_tokens)
-
-    def first(self) -> None:
-        if not self.first_byte:
-            self.first_byte = True
-            self.state.pending_tokens -= self.uncached_tokens
-            self.state.pending_requests -= 1
-
-    def end(self) -> None:
-        if not self.done:
-            self.first()
-            self.done = True
-            self.state.unbook(self.context_tokens)
+    def reported(self, cached_tokens: int) -> None:
+        """The engine reported how many prompt tokens it found cached."""
 
 
-def forward_headers(headers: Mapping[str, str], request_id: str) -> dict[str, str]:
-    """Request headers for an httpx leg (the P/D path): hop-by-hop ones dropped."""
-    out = {k: v for k, v in headers.items() if k.lower() not in _HOP}
-    out["x-request-id"] = request_id
-    return out
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    """One request for the proxy: what to send, where to try it, whom to tell."""
+
+    path: bytes
+    body: bytes
+    header_lines: bytes  # the client's headers, ready for the wire (headers.header_lines)
+    ranked: list[str]  # pods to try, best first
+    uncached_tokens: Mapping[str, int]  # per pod: the prefill it would have to do
+    prompt_tokens: int
+    stream: bool
+    observer: DispatchObserver
 
 
 def reported_cached_tokens(payload: bytes) -> int | None:
@@ -130,26 +105,13 @@ class Proxy:
         self._max_attempts = max_attempts
         self._ttft: dict[str, Any] = {}  # per-pod histogram children: labels() costs
 
-    async def send(
-        self,
-        path: bytes,
-        body: bytes,
-        header_lines: bytes,
-        ranked: list[str],
-        uncached_tokens: Mapping[str, int],
-        prompt_tokens: int,
-        stream: bool,
-        response_headers: Callable[[str, int], dict[str, str]],
-        on_reported: Callable[[int], None],
-        receive: Receive,
-        send: Send,
-    ) -> int:
-        """Try pods in ``ranked`` order and write the answer to ``send`` with
-        ``response_headers(pod, attempts)`` added; returns its status. Raises
+    async def send(self, d: Dispatch, receive: Receive, send: Send) -> int:
+        """Try pods in ``d.ranked`` order and write the answer to ``send`` with
+        ``d.observer.headers_for(pod, attempts)`` added; returns its status. Raises
         APIError (nothing sent) when every attempt failed before a response."""
         last_error = "no backend attempted"
         tried = 0
-        for pod in ranked:
+        for pod in d.ranked:
             state = self._pool.states.get(pod)
             if state is None or not state.healthy:
                 continue
@@ -159,11 +121,11 @@ class Proxy:
             if tried > 1:
                 self._m.retries.labels(**self._m.labels, pod=pod).inc()
             attempt = Attempt(
-                state, uncached_tokens.get(pod, 0), time.perf_counter(), prompt_tokens
+                state, d.uncached_tokens.get(pod, 0), time.perf_counter(), d.prompt_tokens
             )
             attempt.begin()
             try:
-                resp = await self._fwd.post(state.backend.url, path, header_lines, body)
+                resp = await self._fwd.post(state.backend.url, d.path, d.header_lines, d.body)
             except BackendUnavailable as exc:
                 attempt.end()
                 self._pool.mark_unhealthy(pod)
@@ -185,10 +147,10 @@ class Proxy:
                 log.warning("backend %s answered %s; trying another pod", pod, resp.status)
                 continue
             self._observe_ttft(pod, time.perf_counter() - attempt.started)
-            head = _response_head(resp, response_headers(pod, tried))
+            head = _response_head(resp, d.observer.headers_for(pod, tried))
             status = resp.status
-            if stream and status == 200:
-                await self._relay(resp, attempt, pod, on_reported, head, receive, send)
+            if d.stream and status == 200:
+                await self._relay(resp, attempt, pod, d.observer, head, receive, send)
                 return status
             try:
                 content = await resp.read()
@@ -200,7 +162,7 @@ class Proxy:
                 attempt.end()
             cached = reported_cached_tokens(content)
             if cached is not None:
-                on_reported(cached)
+                d.observer.reported(cached)
             head[b"content-length"] = b"%d" % len(content)
             await send({"type": "http.response.start", "status": status, "headers": head.items()})
             await send({"type": "http.response.body", "body": content})
@@ -225,7 +187,7 @@ class Proxy:
         resp: UpstreamResponse,
         attempt: Attempt,
         pod: str,
-        on_reported: Callable[[int], None],
+        observer: DispatchObserver,
         head: dict[bytes, bytes],
         receive: Receive,
         send: Send,
@@ -259,7 +221,7 @@ class Proxy:
                 if b"cached_tokens" in chunk:
                     cached = reported_cached_tokens(chunk)
                     if cached is not None:
-                        on_reported(cached)
+                        observer.reported(cached)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

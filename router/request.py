@@ -49,7 +49,9 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
     return None
 
 
-def parse_request(raw: bytes, kind: str) -> ParsedRequest:
+def parse_request(raw: bytes, kind: str | None = None) -> ParsedRequest:
+    """``kind``: "chat" or "completions" (the route's); None: chat when the body has a
+    ``messages`` field (the explain endpoint takes either)."""
     if not raw:
         raise APIError(400, "request body is empty; expected a JSON object")
     try:
@@ -58,6 +60,8 @@ def parse_request(raw: bytes, kind: str) -> ParsedRequest:
         raise APIError(400, f"malformed JSON body: {exc}") from exc
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
+    if kind is None:
+        kind = "chat" if "messages" in body else "completions"
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise APIError(400, "missing required field 'model'", param="model")

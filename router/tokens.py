@@ -16,15 +16,20 @@ from __future__ import annotations
 import asyncio
 import math
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, TypeVar
 
 from kvplane.router.token_reuse import PrefixTokenCache, chunk_hashes, reuse_is_exact
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+T = TypeVar("T")
+# Encoding at most this many characters (about 1000 tokens, 1-3 ms with a regex
+# pre-tokenizer) is done on the event loop; longer texts go to the tokenizer's threads.
+INLINE_CHARS: Final = 4096
 
 
 class ChatFormatError(ValueError):
@@ -206,21 +211,24 @@ class PromptTokenizer:
             return [*head, *ids, *closing]
         return list(ids)
 
-    async def encode_async(
-        self, text: str, add_special_tokens: bool, inline_chars: int
-    ) -> list[int]:
-        """``encode``, on the event loop when at most ``inline_chars`` need encoding (a
-        thread hop costs more than that), else in the tokenizer's threads."""
+    async def call(self, chars: int, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)``, an encode of ``chars`` characters: on the event loop when at
+        most ``INLINE_CHARS`` (less than a thread hop costs on a busy machine, where the
+        thread then waits for the GIL), else in the tokenizer's threads."""
+        if chars <= INLINE_CHARS:
+            return fn(*args)
+        return await self.run(fn, *args)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in the tokenizer's threads, off the event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def encode_async(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``encode``, on or off the event loop by the size of what needs encoding."""
         prefix = self.cached_prefix(text, add_special_tokens)
         if prefix is not None:
-            if len(prefix.tail) <= inline_chars:
-                return self.complete(prefix)
-            ids: list[int] = await self.run(self.complete, prefix)
-            return ids
-        if len(text) <= inline_chars:
-            return self.encode_new(text, add_special_tokens)
-        ids = await self.run(self.encode_new, text, add_special_tokens)
-        return ids
+            return await self.call(len(prefix.tail), self.complete, prefix)
+        return await self.call(len(text), self.encode_new, text, add_special_tokens)
 
     def render_chat(self, messages: Sequence[Any], opts: ChatOptions) -> str:
         msgs = normalise_messages(messages)
@@ -247,15 +255,6 @@ class PromptTokenizer:
 
     def encode_chat(self, messages: Sequence[Any], opts: ChatOptions) -> list[int]:
         return self.encode(self.render_chat(messages, opts), opts.add_special_tokens)
-
-    def encode_prompt(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
-        """A completion ``prompt``: text, token ids, or a batch (routed by its first item)."""
-        source = prompt_source(prompt)
-        return source if isinstance(source, list) else self.encode(source, add_special_tokens)
-
-    async def run(self, fn: Any, *args: Any) -> Any:
-        """Run an encode off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

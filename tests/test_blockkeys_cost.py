@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
-from kvplane.router.choice import Reason, choose_by_cost, over_cap, sticky_order
 from kvplane.router.config import Backend, CostParams, TierCost
-from kvplane.router.cost import PodLoad, predict
+from kvplane.router.cost import CostModel, PodLoad
 from kvplane.router.engine_stats import EngineStats
 from kvplane.router.generation import generation_tag
+from kvplane.router.policies.cost import CostReason as Reason
+from kvplane.router.policies.cost import choose_by_cost, over_cap
+from kvplane.router.policies.sticky import sticky_order
 from kvplane.router.pool import BackendState
 from kvplane.router.tiers import Tier
 
@@ -37,6 +41,7 @@ def test_chaining_from_a_parent_continues_the_chain() -> None:
 
 
 P = CostParams(prefill_tokens_per_s=10000.0, running_step_ms_per_request=0.0)
+M = CostModel(P, 10, 1000)  # block size 10, 1000 bytes per token
 
 
 def match(h: int = 0, d: int = 0, n: int = 0, r: int = 0) -> dict[Tier, int]:
@@ -49,29 +54,29 @@ def match(h: int = 0, d: int = 0, n: int = 0, r: int = 0) -> dict[Tier, int]:
 
 
 def test_recompute_time_of_missing_tokens() -> None:
-    t = predict("p", 1000, match(), PodLoad(), P, 10, 1000, 512)
+    t = M.predict("p", 1000, match(), PodLoad())
     assert t.recompute_ms == pytest.approx(100.0) and t.cached_tokens == 0
-    t = predict("p", 1000, match(h=50), PodLoad(), P, 10, 1000, 512)
+    t = M.predict("p", 1000, match(h=50), PodLoad())
     assert t.cached_tokens == 500 and t.recompute_ms == pytest.approx(50.0)
 
 
 def test_whole_prompt_resident_still_computes_the_last_token() -> None:
-    t = predict("p", 100, match(h=10), PodLoad(), P, 10, 1000, 512)
+    t = M.predict("p", 100, match(h=10), PodLoad())
     assert t.cached_tokens == 99 and t.recompute_ms == pytest.approx(0.1)
 
 
 def test_transfer_when_cheaper_recompute_when_not() -> None:
     fast = P.model_copy(update={"tiers": {Tier.DRAM: TierCost(bandwidth_gbps=100.0)}})
-    t = predict("p", 1000, match(d=100), PodLoad(), fast, 10, 128 * 1024, 512)
+    t = CostModel(fast, 10, 128 * 1024).predict("p", 1000, match(d=100), PodLoad())
     assert t.loaded_from == {Tier.DRAM: 999} and t.transfer_ms < 2.0
     slow = P.model_copy(update={"tiers": {Tier.DRAM: TierCost(bandwidth_gbps=0.01)}})
-    t = predict("p", 1000, match(d=100), PodLoad(), slow, 10, 128 * 1024, 512)
+    t = CostModel(slow, 10, 128 * 1024).predict("p", 1000, match(d=100), PodLoad())
     assert t.loaded_from == {} and t.transfer_ms == 0 and t.recompute_ms == pytest.approx(100.0)
 
 
 def test_an_unconfigured_tier_is_never_loaded() -> None:
     none = P.model_copy(update={"tiers": {}})
-    t = predict("p", 1000, match(r=100), PodLoad(), none, 10, 1000, 512)
+    t = CostModel(none, 10, 1000).predict("p", 1000, match(r=100), PodLoad())
     assert t.cached_tokens == 0
 
 
@@ -83,9 +88,9 @@ def test_queue_counts_pending_tokens_and_unseen_waiting() -> None:
         engine_waiting=3,
         scraped_pending_requests=1,
     )
-    t = predict("p", 10, match(), load, P, 10, 1000, 500)
+    t = M.predict("p", 10, match(), replace(load, mean_request_tokens=500))
     assert t.queue_ms == pytest.approx((2000 + 2 * 500) / 10000 * 1000)
-    hot = predict("p", 10, match(), PodLoad(kv_usage=0.95), P, 10, 1000, 500)
+    hot = M.predict("p", 10, match(), PodLoad(kv_usage=0.95, mean_request_tokens=500))
     assert hot.queue_ms == pytest.approx(P.kv_pressure_penalty_ms)
 
 
@@ -93,23 +98,23 @@ def test_a_stale_scrape_of_the_routers_own_requests_adds_no_queue() -> None:
     """The scrape saw the router's 3 requests waiting; they have started since (nothing
     pending now). Compared with pending now, they would be 3 phantom prompts."""
     load = PodLoad(engine_waiting=3, scraped_pending_requests=3)
-    assert predict("p", 10, match(), load, P, 10, 1000, 500).queue_ms == 0.0
+    assert M.predict("p", 10, match(), replace(load, mean_request_tokens=500)).queue_ms == 0.0
     state = BackendState(Backend(name="p", url="http://p"))
     state.pending_requests = 3
     state.observe(EngineStats(waiting=3.0))
     state.pending_requests = 0
-    assert state.load(now=0.0).scraped_pending_requests == 3
+    assert state.load(1024.0, now=0.0).scraped_pending_requests == 3
 
 
 def test_cost_prefers_the_cached_pod_until_its_queue_costs_more() -> None:
     loads = {"a": PodLoad(), "b": PodLoad()}
-    d = choose_by_cost(2000, {"a": match(h=150), "b": match()}, loads, P, 10, 1000, 512)
+    d = choose_by_cost(M, 2000, {"a": match(h=150), "b": match()}, loads)
     assert d.pod == "a" and d.reason == Reason.CACHE and d.ranked == ["a", "b"]
     busy = {
         "a": PodLoad(pending_prefill_tokens=50_000, pending_requests=3, inflight=3),
         "b": PodLoad(),
     }
-    d = choose_by_cost(2000, {"a": match(h=150), "b": match()}, busy, P, 10, 1000, 512)
+    d = choose_by_cost(M, 2000, {"a": match(h=150), "b": match()}, busy)
     assert d.pod == "b" and d.reason == Reason.LOAD_OVER_CACHE
 
 
@@ -121,10 +126,12 @@ def test_recompute_weight_keeps_a_prefix_on_its_pod_through_a_moderate_queue() -
     loads = {"a": PodLoad(pending_prefill_tokens=3000, pending_requests=1, inflight=1)}
     loads["b"] = PodLoad()
     plain = P.model_copy(update={"recompute_weight": 1.0})
-    d = choose_by_cost(2000, {"a": match(h=150), "b": match()}, loads, plain, 10, 1000, 512)
+    d = choose_by_cost(CostModel(plain, 10, 1000), 2000, {"a": match(h=150), "b": match()}, loads)
     assert d.pod == "b" and d.terms["b"].ttft_ms < d.terms["a"].ttft_ms
     weighted = P.model_copy(update={"recompute_weight": 4.0})
-    d = choose_by_cost(2000, {"a": match(h=150), "b": match()}, loads, weighted, 10, 1000, 512)
+    d = choose_by_cost(
+        CostModel(weighted, 10, 1000), 2000, {"a": match(h=150), "b": match()}, loads
+    )
     assert d.pod == "a" and d.reason == Reason.CACHE
     # the predicted TTFT itself is unchanged: the weight only ranks
     assert d.terms["b"].recompute_ms == pytest.approx(200.0)
@@ -138,17 +145,19 @@ def test_near_ties_go_to_the_pod_sent_the_least_work_lately() -> None:
         "b": PodLoad(pending_prefill_tokens=10, pending_requests=1, inflight=1),
         "c": PodLoad(recent_prefill_tokens=20_000),
     }
-    d = choose_by_cost(2000, {}, loads, P, 10, 1000, 512)
+    d = choose_by_cost(M, 2000, {}, loads)
     assert d.pod == "b" and set(d.ranked) == {"a", "b", "c"}
     # outside the band the cost decides: a pod holding the prefix is not traded for balance
-    d = choose_by_cost(2000, {"a": match(h=150)}, loads, P, 10, 1000, 512)
+    d = choose_by_cost(M, 2000, {"a": match(h=150)}, loads)
     assert d.pod == "a" and d.reason == Reason.CACHE
 
 
 def test_load_cap_stops_a_shared_first_block_from_herding() -> None:
     loads = {"a": PodLoad(inflight=20), "b": PodLoad(inflight=1), "c": PodLoad(inflight=0)}
     assert over_cap(loads, P) == {"a"}
-    d = choose_by_cost(200, {"a": match(h=19), "b": match(), "c": match()}, loads, P, 10, 1, 1)
+    d = choose_by_cost(
+        CostModel(P, 10, 1), 200, {"a": match(h=19), "b": match(), "c": match()}, loads
+    )
     assert d.pod != "a" and d.reason == Reason.LOAD_CAP and d.ranked[-1] == "a"
 
 

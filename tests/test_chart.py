@@ -691,11 +691,17 @@ def test_dockerfile_invariants() -> None:
 
 
 def dev_requirements() -> list[str]:
+    """The dev extra, with the extras it names (``kvplane[peers,...]``) spelled out."""
     import tomllib
 
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    dev: list[str] = project["optional-dependencies"]["dev"]
-    return dev
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    out: list[str] = []
+    for req in extras["dev"]:
+        named = re.fullmatch(r"kvplane\[([\w,]+)\]", req)
+        out += [r for e in named.group(1).split(",") for r in extras[e]] if named else [req]
+    return out
 
 
 def build_context() -> list[str]:

@@ -20,8 +20,8 @@ from kvplane.router.forwarder import (
     BackendUnavailable,
     Forwarder,
     ResponseBroken,
-    header_lines,
 )
+from kvplane.router.headers import header_lines
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse

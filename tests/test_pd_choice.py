@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from dataclasses import replace
+
 import pytest
 from kvplane.router.config import CostParams, LinkClass, LinkCost, PDSpec
-from kvplane.router.cost import PodLoad, predict
-from kvplane.router.pd.choice import PDDecision, PDReason, choose_pd
-from kvplane.router.pd.cost import aggregated_cost, decode_step_ms, exposure_ms, pair_cost
+from kvplane.router.cost import CostModel, PodLoad
+from kvplane.router.pd.choice import PDCandidates, PDDecision, PDReason, choose_pd
+from kvplane.router.pd.cost import (
+    DecodeSide,
+    Link,
+    PDCostModel,
+    aggregated_cost,
+    decode_step_ms,
+    exposure_ms,
+    pair_cost,
+)
 from kvplane.router.pd.topology import link_class, link_cost, transfer_ms
 from kvplane.router.tiers import Tier
 
@@ -29,6 +40,26 @@ PD = PDSpec(
     decode_kv_weight_ms=10.0,
 )
 IDLE = PodLoad()
+
+
+def model(params: CostParams = P, pd: PDSpec = PD) -> PDCostModel:
+    return PDCostModel(CostModel(params, BS, KV), pd)
+
+
+MODEL = model()
+MEAN = 1000.0  # the fleet's mean prompt the loads carry
+
+
+def cands(
+    prefill: Mapping[str, PodLoad],
+    decode: Mapping[str, PodLoad],
+    labels: Mapping[str, Mapping[str, str]],
+    alone: Collection[str] = (),
+) -> PDCandidates:
+    def mean(loads: Mapping[str, PodLoad]) -> dict[str, PodLoad]:
+        return {p: replace(ld, mean_request_tokens=MEAN) for p, ld in loads.items()}
+
+    return PDCandidates(mean(prefill), mean(decode), labels, alone)
 
 
 def hbm(blocks: int) -> dict[Tier, int]:
@@ -84,10 +115,10 @@ def test_transfer_is_latency_plus_bytes_over_bandwidth() -> None:
 
 
 def test_pair_cost_adds_transfer_of_what_decode_lacks_and_one_decode_step() -> None:
-    pre = predict("p", 2000, hbm(0), IDLE, P, BS, KV, 1000.0)
+    pre = MODEL.cost.predict("p", 2000, hbm(0), IDLE)
     link = PD.links[LinkClass.SAME_ZONE]
     busy = PodLoad(engine_running=10, kv_usage=0.5)
-    full = pair_cost(pre, "d", busy, 0, 2000, LinkClass.SAME_ZONE, link, P, PD, KV)
+    full = pair_cost(MODEL, 2000, pre, DecodeSide("d", busy, 0), Link(LinkClass.SAME_ZONE, link))
     assert full.transfer_tokens == 2000 and full.transfer_bytes == 2000 * KV
     assert full.transfer_ms == pytest.approx(1.0 + 20.0)
     assert full.decode_ms == pytest.approx(5.0 + 10 * 0.1)
@@ -96,7 +127,7 @@ def test_pair_cost_adds_transfer_of_what_decode_lacks_and_one_decode_step() -> N
     backlog = (P.recompute_weight - 1) * pre.recompute_ms
     assert full.score_ms == pytest.approx(full.ttft_ms + 15.0 + backlog)
     # the decode pod already holds 1600 tokens: only 400 move
-    part = pair_cost(pre, "d", busy, 1600, 2000, LinkClass.SAME_ZONE, link, P, PD, KV)
+    part = pair_cost(MODEL, 2000, pre, DecodeSide("d", busy, 1600), Link(LinkClass.SAME_ZONE, link))
     assert part.transfer_tokens == 400 and part.transfer_ms < full.transfer_ms
 
 
@@ -105,8 +136,8 @@ def test_kv_pressure_on_the_decode_pod_delays_its_first_step() -> None:
 
 
 def test_aggregated_option_pays_for_stalling_running_decodes() -> None:
-    terms = predict("d", 1000, hbm(0), PodLoad(engine_running=4), P, BS, KV, 1000.0)
-    agg = aggregated_cost(terms, PodLoad(engine_running=4), P, PD)
+    terms = MODEL.cost.predict("d", 1000, hbm(0), PodLoad(engine_running=4))
+    agg = aggregated_cost(MODEL, terms, PodLoad(engine_running=4))
     assert agg.prefill is None and agg.transfer_ms == 0 and agg.link is None
     assert agg.ttft_ms == pytest.approx(terms.ttft_ms)
     # 1000 tokens = 100 ms of prefill; the 5.4 ms step the four decodes take anyway leaves
@@ -121,10 +152,10 @@ def test_a_prefill_that_fits_in_a_decode_step_stalls_nobody() -> None:
     requests take anyway (stall-free batching), so it costs them nothing; a longer one
     stalls them by what does not fit."""
     busy = PodLoad(engine_running=10)  # a step of 5 + 10 x 0.1 = 6 ms, 1 ms of it compute
-    short = predict("d", 50, hbm(0), busy, P, BS, KV, 1000.0)  # 5 ms of prefill
-    assert aggregated_cost(short, busy, P, PD).interference_ms == 0.0
-    longer = predict("d", 200, hbm(0), busy, P, BS, KV, 1000.0)  # 20 ms
-    assert aggregated_cost(longer, busy, P, PD).interference_ms == pytest.approx(15.0 * 10)
+    short = MODEL.cost.predict("d", 50, hbm(0), busy)  # 5 ms of prefill
+    assert aggregated_cost(MODEL, short, busy).interference_ms == 0.0
+    longer = MODEL.cost.predict("d", 200, hbm(0), busy)  # 20 ms
+    assert aggregated_cost(MODEL, longer, busy).interference_ms == pytest.approx(15.0 * 10)
 
 
 def test_a_mostly_resident_prompt_skips_the_prefill_pool_despite_busy_decodes() -> None:
@@ -135,7 +166,7 @@ def test_a_mostly_resident_prompt_skips_the_prefill_pool_despite_busy_decodes() 
     Charged as a full stall (32 ms), the handoff would have won."""
     busy = PodLoad(engine_running=10)
     matches = {"p0": hbm(98), "d0": hbm(98)}
-    d = choose_pd(1600, matches, {"p0": IDLE}, {"d0": busy}, {}, P, PD, BS, KV, 1000.0)
+    d = choose_pd(MODEL, 1600, matches, cands({"p0": IDLE}, {"d0": busy}, {}))
     assert not d.disaggregated and d.reason == PDReason.RESIDENT_ON_DECODE
     alone = next(o for o in d.options if o.prefill is None)
     assert alone.interference_ms == 0.0
@@ -145,31 +176,20 @@ def test_a_mostly_resident_prompt_skips_the_prefill_pool_despite_busy_decodes() 
 
 
 def test_short_prompt_is_prefilled_on_the_decode_pod() -> None:
-    d = choose_pd(100, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0)
+    d = choose_pd(MODEL, 100, {}, cands({"p0": IDLE}, {"d0": IDLE}, {}))
     assert not d.disaggregated and d.reason == PDReason.SHORT_PROMPT
     assert d.decode == "d0" and d.prefill is None and d.prefill_ranked == []
 
 
 def test_long_uncached_prompt_is_disaggregated() -> None:
-    d = choose_pd(4000, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0)
+    d = choose_pd(MODEL, 4000, {}, cands({"p0": IDLE}, {"d0": IDLE}, {}))
     assert d.disaggregated and d.reason == PDReason.DISAGGREGATED
     assert (d.prefill, d.decode) == ("p0", "d0") and d.prefill_ranked == ["p0"]
 
 
 def test_prompt_mostly_resident_on_a_decode_pod_skips_the_prefill_pool() -> None:
     # 4000 tokens, d1 holds 3840 of them (240 blocks): it lacks 160 <= 256
-    d = choose_pd(
-        4000,
-        {"d1": hbm(240)},
-        {"p0": IDLE},
-        {"d0": IDLE, "d1": IDLE},
-        {},
-        P,
-        PD,
-        BS,
-        KV,
-        1000.0,
-    )
+    d = choose_pd(MODEL, 4000, {"d1": hbm(240)}, cands({"p0": IDLE}, {"d0": IDLE, "d1": IDLE}, {}))
     assert not d.disaggregated and d.reason == PDReason.RESIDENT_ON_DECODE
     assert d.decode == "d1" and d.decode_ranked[0] == "d1"
 
@@ -177,7 +197,7 @@ def test_prompt_mostly_resident_on_a_decode_pod_skips_the_prefill_pool() -> None
 def test_busy_decode_pod_prefers_a_pair_even_for_a_short_prompt() -> None:
     # the only decode pod runs 200 requests: prefilling there stalls all of them
     busy = PodLoad(engine_running=200)
-    d = choose_pd(250, {}, {"p0": IDLE}, {"d0": busy}, {}, P, PD, BS, KV, 1000.0)
+    d = choose_pd(MODEL, 250, {}, cands({"p0": IDLE}, {"d0": busy}, {}))
     assert d.disaggregated and d.reason == PDReason.DISAGGREGATED
 
 
@@ -190,16 +210,10 @@ def test_pair_is_chosen_jointly_by_link_and_residency() -> None:
     }
     # p1 holds the prompt; p0 must recompute 4000 tokens (400 ms)
     d = choose_pd(
+        MODEL,
         4000,
         {"p1": hbm(250)},
-        {"p0": IDLE, "p1": IDLE},
-        {"d0": IDLE, "d1": IDLE},
-        labels,
-        P,
-        PD,
-        BS,
-        KV,
-        1000.0,
+        cands({"p0": IDLE, "p1": IDLE}, {"d0": IDLE, "d1": IDLE}, labels),
     )
     assert (d.prefill, d.decode) == ("p1", "d1")  # same zone beats crossing to d0
     assert d.chosen.link is LinkClass.SAME_ZONE
@@ -208,7 +222,7 @@ def test_pair_is_chosen_jointly_by_link_and_residency() -> None:
     assert d.prefill_ranked == ["p1", "p0"]
     # with no residency anywhere, the same-node pair wins
     d2 = choose_pd(
-        4000, {}, {"p0": IDLE, "p1": IDLE}, {"d0": IDLE, "d1": IDLE}, labels, P, PD, BS, KV, 1e3
+        MODEL, 4000, {}, cands({"p0": IDLE, "p1": IDLE}, {"d0": IDLE, "d1": IDLE}, labels)
     )
     assert (d2.prefill, d2.decode) == ("p0", "d0")
     assert d2.chosen.link is LinkClass.SAME_NODE
@@ -216,48 +230,40 @@ def test_pair_is_chosen_jointly_by_link_and_residency() -> None:
 
 def test_decode_choice_balances_running_requests_and_kv_usage() -> None:
     d = choose_pd(
+        MODEL,
         4000,
         {},
-        {"p0": IDLE},
-        {"d0": PodLoad(engine_running=30, kv_usage=0.7), "d1": PodLoad(engine_running=5)},
-        {},
-        P,
-        PD,
-        BS,
-        KV,
-        1000.0,
+        cands(
+            {"p0": IDLE},
+            {"d0": PodLoad(engine_running=30, kv_usage=0.7), "d1": PodLoad(engine_running=5)},
+            {},
+        ),
     )
     assert d.decode == "d1" and d.decode_ranked == ["d1", "d0"]
 
 
 def test_prefill_queue_moves_the_pair_to_an_idle_prefill_pod() -> None:
     queued = PodLoad(pending_prefill_tokens=50_000, pending_requests=5, inflight=5)
-    d = choose_pd(4000, {}, {"p0": queued, "p1": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0)
+    d = choose_pd(MODEL, 4000, {}, cands({"p0": queued, "p1": IDLE}, {"d0": IDLE}, {}))
     assert d.prefill == "p1" and d.prefill_ranked == ["p1", "p0"]
 
 
 def test_no_prefill_pod_or_several_sequences_stay_aggregated() -> None:
-    d = choose_pd(4000, {}, {}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0)
+    d = choose_pd(MODEL, 4000, {}, cands({}, {"d0": IDLE}, {}))
     assert d.reason == PDReason.NO_PREFILL and not d.disaggregated
-    m = choose_pd(4000, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1e3, multi_sequence=True)
+    m = choose_pd(MODEL, 4000, {}, cands({"p0": IDLE}, {"d0": IDLE}, {}), multi_sequence=True)
     assert m.reason == PDReason.MULTI_SEQUENCE and not m.disaggregated
 
 
 def test_without_aggregation_every_request_is_a_pair() -> None:
     """SGLang decode servers take only handed-off requests."""
-    d = choose_pd(10, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1e3, can_aggregate=False)
+    d = choose_pd(MODEL, 10, {}, cands({"p0": IDLE}, {"d0": IDLE}, {}), can_aggregate=False)
     assert d.disaggregated and d.reason == PDReason.DISAGGREGATED
     m = choose_pd(
+        MODEL,
         10,
         {},
-        {"p0": IDLE},
-        {"d0": IDLE},
-        {},
-        P,
-        PD,
-        BS,
-        KV,
-        1e3,
+        cands({"p0": IDLE}, {"d0": IDLE}, {}),
         can_aggregate=False,
         multi_sequence=True,
     )
@@ -266,30 +272,24 @@ def test_without_aggregation_every_request_is_a_pair() -> None:
 
 def test_aggregation_can_be_switched_off_by_config() -> None:
     never = PD.model_copy(update={"aggregate_max_uncached_tokens": 0})
-    d = choose_pd(20, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, never, BS, KV, 1000.0)
+    d = choose_pd(model(P, never), 20, {}, cands({"p0": IDLE}, {"d0": IDLE}, {}))
     assert d.disaggregated
 
 
 def test_overloaded_pods_rank_last() -> None:
     heavy = PodLoad(inflight=40)
     d = choose_pd(
+        MODEL,
         4000,
         {"p0": hbm(250)},
-        {"p0": heavy, "p1": IDLE, "p2": IDLE},
-        {"d0": IDLE},
-        {},
-        P,
-        PD,
-        BS,
-        KV,
-        1000.0,
+        cands({"p0": heavy, "p1": IDLE, "p2": IDLE}, {"d0": IDLE}, {}),
     )
     assert d.prefill != "p0" and d.prefill_ranked[-1] == "p0"
 
 
 def test_no_decode_candidate_is_an_error() -> None:
     with pytest.raises(ValueError):
-        choose_pd(10, {}, {"p0": IDLE}, {}, {}, P, PD, BS, KV, 1000.0)
+        choose_pd(MODEL, 10, {}, cands({"p0": IDLE}, {}, {}))
 
 
 def test_flexible_pods_are_candidates_for_either_leg_and_stall_what_they_run() -> None:
@@ -298,7 +298,7 @@ def test_flexible_pods_are_candidates_for_either_leg_and_stall_what_they_run() -
     prefilled where fewest requests decode; a handoff would only add the transfer."""
     open_gate = PD.model_copy(update={"aggregate_max_uncached_tokens": 1 << 30})
     loads = {"a": PodLoad(engine_running=20), "b": PodLoad(engine_running=1), "c": IDLE}
-    d = choose_pd(4000, {}, loads, loads, {}, P, open_gate, BS, KV, 1000.0)
+    d = choose_pd(model(P, open_gate), 4000, {}, cands(loads, loads, {}))
     assert not d.disaggregated and d.decode == "c"
     pairs = {(o.prefill, o.decode): o for o in d.options if o.prefill is not None}
     assert set(pairs) == {(p, q) for p in loads for q in loads if p != q}
@@ -317,10 +317,10 @@ def test_exposure_keeps_decodes_off_the_pods_that_prefill() -> None:
         "p": PodLoad(recent_prefill_tokens=90_000, inflight=1),
         "d": PodLoad(recent_prefill_tokens=10_000, inflight=6, engine_running=6),
     }
-    off = choose_pd(4000, {}, loads, loads, {}, P, flex, BS, KV, 1000.0)
+    off = choose_pd(model(P, flex), 4000, {}, cands(loads, loads, {}))
     assert not off.disaggregated and off.decode == "p"  # fewest decoding: prefill there
     on = flex.model_copy(update={"exposure_weight": 1.0})
-    d = choose_pd(4000, {}, loads, loads, {}, P, on, BS, KV, 1000.0)
+    d = choose_pd(model(P, on), 4000, {}, cands(loads, loads, {}))
     assert (d.prefill, d.decode) == ("p", "d")
     # share x in flight x mean prompt tokens at the prefill rate: 0.1 x 7 x 1000 / 10k/s
     assert d.chosen.exposure_ms == pytest.approx(exposure_ms(0.1, 7, 1000.0, P)) == 70.0
@@ -336,7 +336,7 @@ def test_balance_alone_never_hands_off_a_prompt_resident_on_a_decode_pod() -> No
     def choose(d1: PodLoad, balance_decides_handoff: bool) -> PDDecision:
         pd = PD.model_copy(update={"balance_decides_handoff": balance_decides_handoff})
         loads = {"d0": IDLE, "d1": d1}
-        return choose_pd(4000, resident, {"p0": IDLE}, loads, labels, P, pd, BS, KV, 1000.0)
+        return choose_pd(model(P, pd), 4000, resident, cands({"p0": IDLE}, loads, labels))
 
     busy = PodLoad(inflight=20, inflight_tokens=60_000)
     d = choose(busy, False)
@@ -359,7 +359,7 @@ def test_decode_balance_weighs_the_context_in_flight() -> None:
     short_ctx = PodLoad(inflight=10, inflight_tokens=5_000)
     pd = PD.model_copy(update={"decode_context_ms_per_ktok": 0.15})
     d = choose_pd(
-        4000, {}, {"p0": IDLE}, {"d0": long_ctx, "d1": short_ctx}, {}, P, pd, BS, KV, 1000.0
+        model(P, pd), 4000, {}, cands({"p0": IDLE}, {"d0": long_ctx, "d1": short_ctx}, {})
     )
     assert d.decode == "d1"
     by_pod = {o.decode: o.balance_ms for o in d.options}
@@ -368,7 +368,7 @@ def test_decode_balance_weighs_the_context_in_flight() -> None:
 
 def test_a_handoff_waits_behind_prefill_queued_on_its_decode_pod() -> None:
     queued = PodLoad(pending_prefill_tokens=1000, pending_requests=1, inflight=1)
-    d = choose_pd(4000, {}, {"p0": IDLE}, {"d0": queued}, {}, P, PD, BS, KV, 1000.0)
+    d = choose_pd(MODEL, 4000, {}, cands({"p0": IDLE}, {"d0": queued}, {}))
     assert d.chosen.decode_ms == pytest.approx(100.0 + decode_step_ms(queued, P))
 
 
@@ -379,7 +379,7 @@ HELD = {"p0": hbm(240)}  # p0 holds 3840 of the 4000 tokens (it prefilled the pr
 
 def alone_choice(prefill: dict[str, PodLoad], pd: PDSpec = PD) -> PDDecision:
     return choose_pd(
-        4000, HELD, prefill, {"d0": IDLE}, {}, P, pd, BS, KV, 1000.0, alone=list(prefill)
+        model(P, pd), 4000, HELD, cands(prefill, {"d0": IDLE}, {}, alone=list(prefill))
     )
 
 
@@ -413,6 +413,6 @@ def test_a_prefill_pod_serves_alone_only_while_it_and_most_of_its_pool_are_idle(
 def test_a_prefill_pod_never_serves_alone_what_it_does_not_hold() -> None:
     """A short prompt is within the decode pods' gate, but p0 holds none of it: a decode
     there would sit through the pod's next long prefills."""
-    d = choose_pd(100, {}, {"p0": IDLE}, {"d0": IDLE}, {}, P, PD, BS, KV, 1000.0, alone=["p0"])
+    d = choose_pd(MODEL, 100, {}, cands({"p0": IDLE}, {"d0": IDLE}, {}, alone=["p0"]))
     assert d.reason == PDReason.SHORT_PROMPT and d.decode == "d0"
     assert all(o.decode == "d0" for o in d.options)

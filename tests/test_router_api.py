@@ -15,7 +15,8 @@ import pytest
 import redis.asyncio as aioredis
 from kvplane.router.app import make_index
 from kvplane.router.config import RouterConfig
-from kvplane.router.pipeline import IndexGuard
+from kvplane.router.index.base import IndexUnavailable, lookup_or_none
+from kvplane.router.index.guarded import GuardedIndex
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
 from support.fake_engine import FakeEngine, serve_engines
@@ -172,6 +173,21 @@ def test_explain_returns_cost_terms_without_sending(
     assert sum(e.requests for e in two_engines) == before
 
 
+def test_explain_tells_chat_from_completion_by_the_body_not_its_bytes(
+    router: RunningRouter,
+) -> None:
+    """A completion whose body holds the string "messages" is still a completion."""
+    prompt = "the messages field of a chat request, explained " * 5
+    body = {"model": "tiny", "prompt": prompt, "stop": ["messages"]}
+    r = httpx.post(f"{router.url}/kvplane/explain", json=body)
+    assert r.status_code == 200, r.text
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt}]}
+    c = httpx.post(f"{router.url}/kvplane/explain", json=chat)
+    assert c.status_code == 200, c.text
+    # the chat template adds tokens around the same text
+    assert c.json()["prompt_tokens"] > r.json()["prompt_tokens"]
+
+
 def test_metrics_endpoint(router: RunningRouter) -> None:
     httpx.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
     text = httpx.get(f"{router.url}/metrics").text
@@ -266,15 +282,17 @@ async def test_a_stalled_redis_cuts_lookups_but_not_index_writes(
     config = make_config(tokenizer_dir, [], index={"backend": "redis", "url": redis_server.url})
     assert config.index.lookup_timeout_ms == 50 and config.index.io_timeout_ms == 5000
     index = make_index(config, "stall-test")
-    guard = IndexGuard(index, config.index.lookup_timeout_ms / 1000, RouterMetrics("p", "tiny"))
+    guard = GuardedIndex(index, config.index.lookup_timeout_ms / 1000, RouterMetrics("p", "tiny"))
     admin = aioredis.Redis.from_url(redis_server.url)
     try:
         await index.begin_incarnation("a", "i1")
         await admin.client_pause(1000, all=True)  # a real Redis stall
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        assert await guard.lookup([1, 2], ["a"]) is None  # routed without the index
+        with pytest.raises(IndexUnavailable):
+            await guard.lookup([1, 2], ["a"])
         assert loop.time() - t0 < 0.5  # given up well before the stall ends
+        assert await lookup_or_none(guard, [1, 2], ["a"]) is None  # now skipped: back-off
         await index.store("a", "i1", [1, 2], Tier.HBM)  # waits the stall out
         assert loop.time() - t0 >= 0.5
         assert (await index.lookup([1, 2], ["a"]))["a"][Tier.HBM] == 2

@@ -1,7 +1,8 @@
 """The routers under test and their exact command lines.
 
 Every router gets the same simulated fleet, cold, and its documented policy
-flags: kvplane (the cost policy and its own round-robin and sticky baselines),
+flags: kvplane (the cost policy and every other registered policy as a baseline:
+``kvplane-<policy>``),
 the PyPI ``vllm-router`` (``kv_aware`` fed by the engines' KV events, which it
 discovers from each worker's ``/kv_event_sources``; ``cache_aware``,
 ``consistent_hash``, ``round_robin``) and ``sglang-router`` (``cache_aware``).
@@ -19,17 +20,19 @@ import yaml
 
 from kvplane.bench.procs import HOST, free_port, venv_bin
 from kvplane.router.config import TierCost
+from kvplane.router.policies import labelled
 
-KVPLANE_POLICIES = {"kvplane": "cost", "kvplane-round_robin": "round_robin"}
-KVPLANE_POLICIES["kvplane-sticky"] = "sticky"
-KVPLANE_POLICIES["kvplane-least_loaded"] = "least_loaded"
+KVPLANE_POLICIES = labelled()  # every registered policy: kvplane, kvplane-<policy>
 VLLM_ROUTER_POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin")
-ALL_ROUTERS = (
+PEERS = (*(f"vllm-router-{p}" for p in VLLM_ROUTER_POLICIES), "sglang-router-cache_aware")
+ALL_ROUTERS = (*KVPLANE_POLICIES, *PEERS)
+# a run without --routers: kvplane, its strongest baselines and every peer
+DEFAULT_ROUTERS = (
     "kvplane",
     "kvplane-round_robin",
     "kvplane-sticky",
-    *(f"vllm-router-{p}" for p in VLLM_ROUTER_POLICIES),
-    "sglang-router-cache_aware",
+    "kvplane-prefix_affinity",
+    *PEERS,
 )
 
 

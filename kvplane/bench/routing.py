@@ -47,7 +47,7 @@ from kvplane.bench.procs import (
     wait_ready,
 )
 from kvplane.bench.replay import ReplayItem, replay
-from kvplane.bench.routers import ALL_ROUTERS, EngineEndpoint, ModelFacts, launch_for
+from kvplane.bench.routers import DEFAULT_ROUTERS, EngineEndpoint, ModelFacts, launch_for
 from kvplane.router.config import CostParams
 from kvplane.router.tiers import Tier
 from kvplane.workload.results import RequestResult, oracle_hit_ratio, summarize
@@ -212,7 +212,7 @@ def run_one(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("http", "des"), default="http")
     p.add_argument("--workloads", default="mooncake,gsp", help=f"comma list of {WORKLOAD_NAMES}")
-    p.add_argument("--routers", default=",".join(ALL_ROUTERS), help="comma list")
+    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help="comma list")
     p.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace")
     p.add_argument("--limit", type=int, default=400, help="requests per workload")
     p.add_argument("--rate-scale", type=float, default=None, help="offered load multiplier")

@@ -8,7 +8,8 @@ through the router's real code path at their arrival time:
 - block keys (``blockkeys``), the in-memory residency index (``MemoryIndex``) fed by
   the engines' KV events through the real ingest planner (``Ingestor``), after a
   configurable delivery delay;
-- the cost model and choice (``choose_by_cost``) or a baseline (``choose_baseline``);
+- the router's policies by name (``kvplane.router.policies``: the cost model and
+  choice, or a baseline), through the same ``route`` function the live router calls;
 - load as the live router sees it: ``Pool``/``BackendState`` with the proxy's
   ``Attempt`` accounting (pending prefill tokens until the first token, in-flight
   until the end) plus engine stats sampled every ``scrape_interval_s``;
@@ -33,15 +34,16 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 from kvplane.router.blockkeys import block_keys, generation_root
-from kvplane.router.choice import Decision, RoundRobin, choose_baseline, choose_by_cost
-from kvplane.router.choice import sticky_anchor as _sticky_anchor
-from kvplane.router.config import Backend, CostParams, Policy, TierCost
+from kvplane.router.config import Backend, CostParams, TierCost
+from kvplane.router.cost import CostModel
 from kvplane.router.engine_stats import EngineStats as ScrapedStats
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.kvevents import model as rk
 from kvplane.router.kvevents.ingest import Ingestor
+from kvplane.router.load import Attempt
+from kvplane.router.policies import RoutingInput, labelled, make_policy, route
+from kvplane.router.policies.sticky import index_down
 from kvplane.router.pool import Pool
-from kvplane.router.proxy import Attempt
 from kvplane.router.tiers import Tier
 from kvplane.sim import events as se
 from kvplane.sim.engine import EngineCore, SimRequest, StepOutput
@@ -62,12 +64,7 @@ from kvplane.workload.traces import (
     synthetic_tokens,
 )
 
-ROUTERS: Final[dict[str, Policy]] = {
-    "kvplane": Policy.COST,
-    "kvplane-round_robin": Policy.ROUND_ROBIN,
-    "kvplane-sticky": Policy.STICKY,
-    "kvplane-least_loaded": Policy.LEAST_LOADED,
-}
+ROUTERS: Final[dict[str, str]] = labelled()  # label -> policy name
 GENERATION: Final = "kvplane-des"
 DEFAULT_KV_EVENT_DELAY_S: Final = 0.05
 IDLE_RETRY_S: Final = 0.001  # an engine with work that could not schedule anything
@@ -208,13 +205,14 @@ class _Sim:
             raise ValueError("engines must be at least 1")
         self.workload = workload
         self.router = router
-        self.policy = ROUTERS[router]
         self.profile = profile
         self.block_size = profile.block_size
         self.tokens = tokens
         self.opts = opts
         self.progress = progress
         self.cost = opts.cost or cost_params_for(profile)
+        self.model = CostModel(self.cost, self.block_size, profile.kv_bytes_per_token)
+        self.policy = make_policy(ROUTERS[router], self.model)
         self.clock = _Clock()
         self.index = MemoryIndex(clock=self.clock)
         self.ingestor = Ingestor(self.index, generation=GENERATION, block_size=self.block_size)
@@ -224,7 +222,6 @@ class _Sim:
         self.engines = {n: _Engine(n, EngineCore(profile, hash_algo=opts.hash_algo)) for n in names}
         self.pool = Pool()
         self.pool.set_backends([Backend(name=n, url=f"sim://{n}") for n in names])
-        self.rr = RoundRobin()
         self.live: dict[str, _Live] = {}
         self.results: list[RequestResult] = []
         self.heap: list[tuple[float, int, object]] = []
@@ -233,7 +230,7 @@ class _Sim:
         self.decisions: Counter[str] = Counter()  # by reason, as the router's metric
         self.predicted_cached = 0  # cached tokens the chosen pods' terms predicted
         self.idle_retries = 0
-        self.uses_index = self.policy is Policy.COST
+        self.uses_index = self.policy.uses_index
 
     # ----------------------------------------------------------------- plumbing
 
@@ -280,28 +277,18 @@ class _Sim:
         pods = self.pool.healthy()
         for name in pods:
             self._snap(self.engines[name], t)
-        loads = {p: self.pool.states[p].load(now=t) for p in pods}
+        loads = self.pool.loads(pods, now=t)
         keys = block_keys(tokens, self.block_size, self.root)
-        decision: Decision
-        if self.policy is Policy.COST:
-            matches = await self.index.lookup(keys, pods)
-            decision = choose_by_cost(
-                len(tokens),
-                matches,
-                loads,
-                self.cost,
-                self.block_size,
-                self.profile.kv_bytes_per_token,
-                self.pool.mean_request_tokens,
-            )
+        inp = RoutingInput(len(tokens), tokens, keys, loads)
+        decision, matches = await route(
+            self.policy, self.index, inp, lambda i: index_down(self.model, i)
+        )
+        if matches is not None:
             held = matches.get(decision.pod, {}).get(Tier.HBM, 0)
             if len(keys) > held:
                 await self.index.mark_tentative(
                     decision.pod, keys[held:], self.cost.tentative_ttl_s
                 )
-        else:
-            anchor = _sticky_anchor(keys, tokens, self.cost.sticky_tokens, self.block_size)
-            decision = choose_baseline(self.policy, pods, loads, anchor, self.rr)
         self.pool.observe_prompt(len(tokens))
         terms = decision.terms.get(decision.pod)
         self.decisions[decision.reason] += 1

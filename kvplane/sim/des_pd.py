@@ -37,10 +37,10 @@ from typing import Final
 
 from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import Backend, BackendRole, LinkClass, PDSpec
-from kvplane.router.pd.choice import PDReason, choose_pd
+from kvplane.router.load import Attempt, Booking
+from kvplane.router.pd.choice import PDCandidates, PDReason, choose_pd
+from kvplane.router.pd.cost import PDCostModel
 from kvplane.router.pd.topology import link_class, link_cost, transfer_ms
-from kvplane.router.pool import Booking
-from kvplane.router.proxy import Attempt
 from kvplane.router.tiers import Tier
 from kvplane.sim import pd as simpd
 from kvplane.sim.des import (
@@ -137,6 +137,7 @@ class _PDSim(_Sim):
         source = tokens.tokens if tokens is not None else synthetic_tokens(seed)
         super().__init__(workload, "kvplane", len(roles), profile, source, opts, progress)
         self.pd = pd
+        self.pd_model = PDCostModel(self.model, pd) if pd is not None else None
         self.roles = dict(zip(self.engines, roles, strict=True))
         nodes = topology.nodes(roles)
         backends = []
@@ -183,19 +184,14 @@ class _PDSim(_Sim):
         keys = block_keys(tokens, self.block_size, self.root)
         matches = await self.index.lookup(keys, list(dict.fromkeys(prefill + decode)))
         states = self.pool.states
-        d = choose_pd(
-            len(tokens),
-            matches,
-            {p: states[p].load(now=t) for p in prefill},
-            {p: states[p].load(now=t) for p in decode},
-            self.labels,
-            self.cost,
-            self.pd,
-            self.block_size,
-            self.profile.kv_bytes_per_token,
-            self.pool.mean_request_tokens,
+        cands = PDCandidates(
+            prefill=self.pool.loads(prefill, now=t),
+            decode=self.pool.loads(decode, now=t),
+            labels=self.labels,
             alone=[p for p in prefill if self.roles[p] == "prefill"],  # NIXL: kv_both
         )
+        assert self.pd_model is not None
+        d = choose_pd(self.pd_model, len(tokens), matches, cands)
         self.pool.observe_prompt(len(tokens))
         uncached = len(tokens) - d.chosen.prefill_terms.cached_tokens
         self.pool.note_routed(d.prefill or d.decode, uncached, now=t)

@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 VLLM_VERSION: Final = "0.33.0"
 MAX_CATCH_UP_S: Final = 0.1  # wall seconds a busy engine may run behind its timeline
 LATE_S: Final = 0.002  # a step starting later than this counts as late (timers are ~1 ms)
-INLINE_TOKENIZE_CHARS: Final = 4096  # longer texts are tokenized off the event loop
 OUTPUT_TEXT: Final = " ok"  # every generated token is this word's token
 
 
@@ -726,16 +725,13 @@ class SimEngine:
     # ---- tokenization -------------------------------------------------------------------
 
     async def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        return await self.tok.encode_async(text, add_special_tokens, INLINE_TOKENIZE_CHARS)
+        return await self.tok.encode_async(text, add_special_tokens)
 
     async def encode_chat(self, messages: list[Any], opts: dict[str, Any]) -> list[int]:
         options = _chat_options(opts)
         size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
         try:
-            if size <= INLINE_TOKENIZE_CHARS:
-                return self.tok.encode_chat(messages, options)
-            ids: list[int] = await self.tok.run(self.tok.encode_chat, messages, options)
-            return ids
+            return await self.tok.call(size, self.tok.encode_chat, messages, options)
         except ChatFormatError as exc:
             raise api.ApiError(400, str(exc), "BadRequestError", "messages") from exc
 

@@ -136,7 +136,8 @@ def router_config(
             "replay_port": names.KV_REPLAY_PORT,
             "topic": "",  # each pod has its own socket; its topic names the pod
         },
-        "policy": route.policy.value,
+        "policy": route.policy,
+        **({"policy_options": dict(route.policy_options)} if route.policy_options else {}),
         "cost": cost,
         "index": {"backend": "redis", "url": stores.index_url(ipool_name, namespace, ipool)},
     }

@@ -20,6 +20,20 @@ from kvplane.router.tiers import Tier
 PrefixMatches = dict[str, dict[Tier, int]]
 
 
+class IndexUnavailable(Exception):
+    """A lookup the index could not answer in time (``GuardedIndex``): route without it."""
+
+
+async def lookup_or_none(
+    index: "ResidencyIndex", keys: Sequence[int], pods: Sequence[str]
+) -> PrefixMatches | None:
+    """The index's answer, or None while it is unavailable."""
+    try:
+        return await index.lookup(keys, pods)
+    except IndexUnavailable:
+        return None
+
+
 class ResidencyIndex(Protocol):
     # Lookups run in this process and never wait on I/O: no timeout guard needed
     # (wrapping one in asyncio.wait_for costs a task and a loop turn per request).

@@ -12,17 +12,19 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from kvplane.router.choice import over_cap
-from kvplane.router.config import CostParams, PDSpec
-from kvplane.router.cost import CostTerms, PodLoad, pending_prefill_ms, predict
+from kvplane.router.cost import CostTerms, PodLoad, pending_prefill_ms
 from kvplane.router.pd.cost import (
+    DecodeSide,
+    Link,
     OptionCost,
+    PDCostModel,
     aggregated_cost,
     exposure_ms,
     pair_cost,
     running_requests,
 )
 from kvplane.router.pd.topology import link_class, link_cost
+from kvplane.router.policies.cost import over_cap
 from kvplane.router.tiers import Tier
 
 
@@ -35,6 +37,16 @@ class PDReason:
     NO_PREFILL = "aggregated_no_prefill"  # no healthy prefill pod
     NO_KV_PARAMS = "aggregated_no_kv_params"  # the prefill pod returned nothing to hand off
     MULTI_SEQUENCE = "aggregated_multi_sequence"  # n > 1 or a batch: a handoff has one consumer
+
+
+@dataclass(frozen=True, slots=True)
+class PDCandidates:
+    """The pods one P/D choice weighs, with what is known of each."""
+
+    prefill: Mapping[str, PodLoad]
+    decode: Mapping[str, PodLoad]  # must not be empty; a pod in both is never paired with itself
+    labels: Mapping[str, Mapping[str, str]]  # node and zone labels: the pairs' links
+    alone: Collection[str] = ()  # prefill pods that may serve a request they hold alone
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,25 +76,20 @@ def _resident_tokens(match: Mapping[Tier, int], block_size: int, prompt_tokens: 
     return min(match.get(Tier.HBM, 0) * block_size, max(0, prompt_tokens - 1))
 
 
-def _exposures(
-    prefill_loads: Mapping[str, PodLoad],
-    decode_loads: Mapping[str, PodLoad],
-    params: CostParams,
-    pd: PDSpec,
-    mean_request_tokens: float,
-) -> dict[str, float]:
+def _exposures(model: PDCostModel, cands: PDCandidates) -> dict[str, float]:
     """Unweighted exposure per decode pod (zeros when the weight is 0)."""
-    if pd.exposure_weight <= 0.0:
+    decode_loads = cands.decode
+    if model.pd.exposure_weight <= 0.0:
         return dict.fromkeys(decode_loads, 0.0)
-    pods = {**prefill_loads, **decode_loads}
+    pods = {**cands.prefill, **decode_loads}
     total = sum(ld.recent_prefill_tokens for ld in pods.values())
     inflight = float(sum(ld.inflight for ld in pods.values()))
     return {
         d: exposure_ms(
             ld.recent_prefill_tokens / total if total > 0 else 1.0 / len(pods),
             inflight,
-            mean_request_tokens,
-            params,
+            ld.mean_request_tokens,
+            model.params,
         )
         for d, ld in decode_loads.items()
     }
@@ -112,11 +119,10 @@ def _handoff_or_local(
 
 
 def _alone_on_prefill(
+    model: PDCostModel,
     prompt_tokens: int,
     prefill_terms: Mapping[str, CostTerms],
     alone_loads: Mapping[str, PodLoad],
-    params: CostParams,
-    pd: PDSpec,
 ) -> list[OptionCost]:
     """Prefill pods serving a request alone, as a decode pod would: one they hold most
     of and lack no more of than a decode pod may prefill itself, while the pod and most
@@ -126,6 +132,7 @@ def _alone_on_prefill(
     1.04-1.09x aggregated's TTFT p90 to 0.95-1.00x; docs/pd.md, Benchmark point 11).
     A busy pool keeps them: a decode there would sit through long prefills and slow
     them (Mooncake served 10% of its requests so, and its TTFT p90 rose 5%)."""
+    pd = model.pd
     if not pd.prefill_serves_resident or not alone_loads:
         return []
     busy = sum(1 for load in alone_loads.values() if load.pending_requests > 0)
@@ -138,7 +145,7 @@ def _alone_on_prefill(
             continue
         uncached = prompt_tokens - terms.cached_tokens
         if uncached <= pd.aggregate_max_uncached_tokens and terms.cached_tokens > uncached:
-            out.append(aggregated_cost(terms, load, params, pd))
+            out.append(aggregated_cost(model, terms, load))
     return out
 
 
@@ -148,49 +155,34 @@ def _first(pod: str, ranked: list[str]) -> list[str]:
 
 
 def choose_pd(
+    model: PDCostModel,
     prompt_tokens: int,
     matches: Mapping[str, Mapping[Tier, int]],
-    prefill_loads: Mapping[str, PodLoad],
-    decode_loads: Mapping[str, PodLoad],
-    labels: Mapping[str, Mapping[str, str]],
-    params: CostParams,
-    pd: PDSpec,
-    block_size: int,
-    kv_bytes_per_token: int,
-    mean_request_tokens: float,
+    cands: PDCandidates,
     *,
     can_aggregate: bool = True,
     multi_sequence: bool = False,
-    alone: Collection[str] = (),
 ) -> PDDecision:
     """Cheapest option by score; ``can_aggregate`` False (SGLang decode servers take
-    only handed-off requests) leaves pairs only. ``decode_loads`` must not be empty;
-    a pod in both maps is never paired with itself. ``alone``: prefill pods (of
-    ``prefill_loads``, not decode pods) that may serve a request they hold nearly all
-    of alone (``prefill_serves_resident``), never a handoff's decode leg."""
+    only handed-off requests) leaves pairs only. ``cands.alone``: prefill pods (not
+    decode pods) that may serve a request they hold nearly all of alone
+    (``prefill_serves_resident``), never a handoff's decode leg."""
+    prefill_loads, decode_loads = cands.prefill, cands.decode
     if not decode_loads:
         raise ValueError("no decode candidates")
+    params, pd = model.params, model.pd
 
     def terms(pod: str, load: PodLoad) -> CostTerms:
-        return predict(
-            pod,
-            prompt_tokens,
-            dict(matches.get(pod, {})),
-            load,
-            params,
-            block_size,
-            kv_bytes_per_token,
-            mean_request_tokens,
-        )
+        return model.cost.predict(pod, prompt_tokens, matches.get(pod, {}), load)
 
-    exposure = _exposures(prefill_loads, decode_loads, params, pd, mean_request_tokens)
+    exposure = _exposures(model, cands)
     aggregated = {
-        d: aggregated_cost(terms(d, load), load, params, pd, exposure[d])
+        d: aggregated_cost(model, terms(d, load), load, exposure[d])
         for d, load in decode_loads.items()
     }
     capped = over_cap(decode_loads, params) | over_cap(prefill_loads, params)
     alone_loads = {
-        p: prefill_loads[p] for p in alone if p in prefill_loads and p not in decode_loads
+        p: prefill_loads[p] for p in cands.alone if p in prefill_loads and p not in decode_loads
     }
     serving = {**alone_loads, **decode_loads}  # pods an option may decode on
 
@@ -210,31 +202,24 @@ def choose_pd(
         )
 
     prefill_terms = {p: terms(p, load) for p, load in prefill_loads.items()}
-    pending = {
-        d: pending_prefill_ms(load, params, mean_request_tokens) for d, load in decode_loads.items()
-    }
+    pending = {d: pending_prefill_ms(load, params) for d, load in decode_loads.items()}
+    block_size = model.cost.block_size
     pairs: dict[tuple[str, str], OptionCost] = {}
     for d, d_load in decode_loads.items():
-        resident = _resident_tokens(matches.get(d, {}), block_size, prompt_tokens)
+        side = DecodeSide(
+            d,
+            d_load,
+            _resident_tokens(matches.get(d, {}), block_size, prompt_tokens),
+            exposure[d],
+            pending[d],
+        )
         for p, p_terms in prefill_terms.items():
             if p == d:
                 continue
-            cls = link_class(labels.get(p, {}), labels.get(d, {}))
-            pairs[(p, d)] = pair_cost(
-                p_terms,
-                d,
-                d_load,
-                resident,
-                prompt_tokens,
-                cls,
-                link_cost(cls, pd),
-                params,
-                pd,
-                kv_bytes_per_token,
-                running_requests(prefill_loads[p]),
-                exposure[d],
-                pending[d],
-            )
+            cls = link_class(cands.labels.get(p, {}), cands.labels.get(d, {}))
+            link = Link(cls, link_cost(cls, pd))
+            running = running_requests(prefill_loads[p])
+            pairs[(p, d)] = pair_cost(model, prompt_tokens, p_terms, side, link, running)
     options = list(pairs.values())
     served_alone = aggregated
     if can_aggregate:
@@ -243,7 +228,7 @@ def choose_pd(
             for o in aggregated.values()
             if prompt_tokens - o.prefill_terms.cached_tokens <= pd.aggregate_max_uncached_tokens
         ]
-        on_prefill = _alone_on_prefill(prompt_tokens, prefill_terms, alone_loads, params, pd)
+        on_prefill = _alone_on_prefill(model, prompt_tokens, prefill_terms, alone_loads)
         options += on_prefill
         served_alone = {**aggregated, **{o.decode: o for o in on_prefill}}
     if not options:  # only a pod that is both, paired with itself

@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvplane.router.config import CostParams, LinkClass, LinkCost, PDSpec
-from kvplane.router.cost import CostTerms, PodLoad
+from kvplane.router.cost import CostModel, CostTerms, PodLoad
 from kvplane.router.pd.topology import transfer_ms
 
 
@@ -121,51 +121,70 @@ def backlog_ms(terms: CostTerms, params: CostParams) -> float:
     return (params.recompute_weight - 1.0) * terms.recompute_ms
 
 
+@dataclass(frozen=True, slots=True)
+class PDCostModel:
+    """The aggregated cost model (parameters and model facts) with the P/D settings."""
+
+    cost: CostModel
+    pd: PDSpec
+
+    @property
+    def params(self) -> CostParams:
+        return self.cost.params
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSide:
+    """The decode pod of a pair, as the pair's cost needs it."""
+
+    pod: str
+    load: PodLoad
+    resident_tokens: int = 0  # leading prompt tokens it holds already
+    exposure_ms: float = 0.0  # unweighted (``exposure_ms``)
+    pending_ms: float = 0.0  # prefill already queued there, which its first step waits behind
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    cls: LinkClass
+    cost: LinkCost
+
+
 def pair_cost(
-    prefill_terms: CostTerms,
-    decode: str,
-    decode_load: PodLoad,
-    decode_resident_tokens: int,
+    model: PDCostModel,
     prompt_tokens: int,
-    link_class: LinkClass,
-    link: LinkCost,
-    params: CostParams,
-    pd: PDSpec,
-    kv_bytes_per_token: int,
+    prefill_terms: CostTerms,
+    decode: DecodeSide,
+    link: Link,
     prefill_running: float = 0.0,
-    decode_exposure_ms: float = 0.0,
-    decode_pending_ms: float = 0.0,
 ) -> OptionCost:
-    """Prefill on ``prefill_terms.pod``, decode on ``decode``. The decode pod pulls
+    """Prefill on ``prefill_terms.pod``, decode on ``decode.pod``. The decode pod pulls
     only the blocks it does not hold already (vLLM counts its local prefix hit
     first, then loads the rest remotely). ``prefill_running``: requests decoding on
-    the prefill pod (a ``both`` pod), which its prefill stalls. ``decode_pending_ms``:
-    prefill already queued on the decode pod, which its first step waits behind."""
-    tokens = max(0, prompt_tokens - max(0, decode_resident_tokens))
+    the prefill pod (a ``both`` pod), which its prefill stalls."""
+    params, pd, kv = model.params, model.pd, model.cost.kv_bytes_per_token
+    tokens = max(0, prompt_tokens - max(0, decode.resident_tokens))
     return OptionCost(
         prefill=prefill_terms.pod,
-        decode=decode,
+        decode=decode.pod,
         prefill_terms=prefill_terms,
-        link=link_class,
+        link=link.cls,
         transfer_tokens=tokens,
-        transfer_bytes=tokens * kv_bytes_per_token,
-        transfer_ms=transfer_ms(tokens, kv_bytes_per_token, link),
-        decode_ms=decode_pending_ms + decode_step_ms(decode_load, params),
+        transfer_bytes=tokens * kv,
+        transfer_ms=transfer_ms(tokens, kv, link.cost),
+        decode_ms=decode.pending_ms + decode_step_ms(decode.load, params),
         interference_ms=interference_ms(prefill_terms.recompute_ms, prefill_running, params, pd),
-        balance_ms=balance_ms(decode_load, pd),
+        balance_ms=balance_ms(decode.load, pd),
         backlog_ms=backlog_ms(prefill_terms, params),
-        exposure_ms=decode_exposure_ms * pd.exposure_weight,
+        exposure_ms=decode.exposure_ms * pd.exposure_weight,
     )
 
 
 def aggregated_cost(
-    decode_terms: CostTerms,
-    decode_load: PodLoad,
-    params: CostParams,
-    pd: PDSpec,
-    decode_exposure_ms: float = 0.0,
+    model: PDCostModel, decode_terms: CostTerms, decode_load: PodLoad, exposure: float = 0.0
 ) -> OptionCost:
-    """The decode pod prefills the request itself."""
+    """The decode pod prefills the request itself (``exposure``: unweighted)."""
+    params, pd = model.params, model.pd
     running = running_requests(decode_load)
     return OptionCost(
         prefill=None,
@@ -174,5 +193,5 @@ def aggregated_cost(
         interference_ms=interference_ms(decode_terms.recompute_ms, running, params, pd),
         balance_ms=balance_ms(decode_load, pd),
         backlog_ms=backlog_ms(decode_terms, params),
-        exposure_ms=decode_exposure_ms * pd.exposure_weight,
+        exposure_ms=exposure * pd.exposure_weight,
     )

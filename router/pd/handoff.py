@@ -28,14 +28,16 @@ from typing import Any
 
 import httpx
 from kvplane.router.config import BackendRole, PDConnector, PDSpec, RouterConfig
+from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError, sse_error
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
+from kvplane.router.load import Attempt, Booking
 from kvplane.router.pd import protocols
-from kvplane.router.pd.choice import PDDecision, PDReason, choose_pd
-from kvplane.router.pd.cost import OptionCost
+from kvplane.router.pd.choice import PDCandidates, PDDecision, PDReason, choose_pd
+from kvplane.router.pd.cost import OptionCost, PDCostModel
 from kvplane.router.pipeline import RoutingPipeline
-from kvplane.router.pool import Booking, Pool
-from kvplane.router.proxy import Attempt, reported_cached_tokens
+from kvplane.router.pool import Pool
+from kvplane.router.proxy import reported_cached_tokens
 from kvplane.router.request import ParsedRequest
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
@@ -146,6 +148,7 @@ class PDService:
         self.index = index
         self.metrics = metrics
         self.client = client
+        self.model = PDCostModel(CostModel.of(config), config.pd)
         self.bootstrap = BootstrapCache(client, self.pd.bootstrap_cache_s, config.connect_timeout_s)
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -185,23 +188,21 @@ class PDService:
                 f"no healthy {'decode' if not decode else 'prefill'} backend for model "
                 f"'{self.config.model.name}' ({len(self.pool.states)} configured)",
             )
-        matches = await self.pipeline.guard.lookup(keys, prefill + decode)
+        matches = await self.pipeline.index.lookup(keys, prefill + decode)
         states = self.pool.states
-        cost, model = self.config.cost, self.config.model
+        cands = PDCandidates(
+            prefill=self.pool.loads(prefill),
+            decode=self.pool.loads(decode),
+            labels={p: states[p].backend.labels for p in prefill + decode},
+            alone=self.alone(prefill),
+        )
         decision = choose_pd(
+            self.model,
             len(tokens),
             matches or {},
-            {p: states[p].load() for p in prefill},
-            {d: states[d].load() for d in decode},
-            {p: states[p].backend.labels for p in prefill + decode},
-            cost,
-            self.pd,
-            model.block_size,
-            model.kv_bytes_per_token,
-            self.pool.mean_request_tokens,
+            cands,
             can_aggregate=aggregate_ok,
             multi_sequence=multi,
-            alone=self.alone(prefill),
         )
         return PDRouted(tokens, keys, decision, matches)
 

@@ -1,0 +1,98 @@
+"""The load a request puts on a pod, as the router accounts it.
+
+The router's own accounting is exact and instant (the scraped engine figures lag by
+a scrape interval): every send to a pod is an ``Attempt`` (its uncached prompt tokens
+are pending prefill until the first byte; the request is in flight until the end),
+and a P/D decode pod chosen for a handoff is held by a ``Booking`` from the choice
+until its own decode leg's ``Attempt`` counts it. The live proxy, the P/D handoffs
+and the discrete-event simulator all book load through these two, so that the cost
+model reads the same figures everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True)
+class LoadCounters:
+    """Router-tracked load of one pod."""
+
+    pending_tokens: int = 0  # uncached prompt tokens sent, awaiting their first token
+    pending_requests: int = 0  # requests of the above
+    scraped_pending_requests: int = 0  # pending_requests when the last scrape was taken
+    inflight: int = 0  # requests sent (or booked) and not finished
+    inflight_tokens: int = 0  # prompt tokens of the requests in flight here
+    recent_tokens: float = 0.0  # uncached prompt tokens routed here, decayed
+    recent_at: float = 0.0
+    half_life_s: float = 30.0  # "lately": a few prefix lifetimes on a busy pod
+
+    def recent(self, now: float) -> float:
+        """Prefill work sent here lately (tokens, exponentially decayed to ``now``)."""
+        if self.recent_tokens <= 0.0:
+            return 0.0
+        decay = 2.0 ** (-max(0.0, now - self.recent_at) / self.half_life_s)
+        return float(self.recent_tokens * decay)
+
+    def add_recent(self, tokens: int, now: float) -> None:
+        self.recent_tokens = self.recent(now) + tokens
+        self.recent_at = now
+
+    def book(self, context_tokens: int) -> None:
+        """A request is in flight here (sent, or booked for a decode leg to come)."""
+        self.inflight += 1
+        self.inflight_tokens += context_tokens
+
+    def unbook(self, context_tokens: int) -> None:
+        self.inflight -= 1
+        self.inflight_tokens -= context_tokens
+
+
+@dataclass
+class Attempt:
+    """One send to one pod, with the accounting to undo when it ends."""
+
+    counters: LoadCounters
+    uncached_tokens: int
+    started: float
+    context_tokens: int = 0  # the prompt: the KV the request holds there while in flight
+    first_byte: bool = False
+    done: bool = False
+
+    def begin(self) -> None:
+        c = self.counters
+        c.pending_tokens += self.uncached_tokens
+        c.pending_requests += 1
+        c.book(self.context_tokens)
+
+    def first(self) -> None:
+        if not self.first_byte:
+            self.first_byte = True
+            self.counters.pending_tokens -= self.uncached_tokens
+            self.counters.pending_requests -= 1
+
+    def end(self) -> None:
+        if not self.done:
+            self.first()
+            self.done = True
+            self.counters.unbook(self.context_tokens)
+
+
+@dataclass(slots=True)
+class Booking:
+    """A P/D decode pod counted busy from the choice until a decode leg's own
+    ``Attempt`` counts it, so that requests arriving while the prefill runs see it
+    taken. Releasing twice is harmless."""
+
+    counters: LoadCounters | None = None
+    tokens: int = 0
+
+    def hold(self, counters: LoadCounters | None, tokens: int) -> None:
+        if counters is not None:
+            counters.book(tokens)
+            self.counters, self.tokens = counters, tokens
+
+    def release(self) -> None:
+        if self.counters is not None:
+            self.counters.unbook(self.tokens)
+            self.counters = None

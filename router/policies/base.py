@@ -1,0 +1,86 @@
+"""What every routing policy shares: its input, its output, and the protocol.
+
+A policy ranks the candidate pods of one request. It sees the prompt (its length,
+tokens and block keys), each candidate's load, and (when it ``uses_index``) the
+residency index's answer; it returns a ``Decision`` naming the pod, the reason and the
+ranking that retries walk, so that response headers, the explain endpoint and the
+metrics all tell the same story. Policies are pure over that input (a round-robin
+counter is their only state); the live router and the discrete-event simulator call
+them through ``route`` alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import ClassVar, Protocol
+
+from kvplane.router.cost import CostModel, CostTerms, PodLoad
+from kvplane.router.index.base import PrefixMatches, ResidencyIndex, lookup_or_none
+from pydantic import BaseModel, ConfigDict
+
+
+class Reason:
+    """Reasons shared by several policies (each policy module adds its own)."""
+
+    INDEX_DOWN = "index_unavailable"  # sticky fallback while the index is unreachable
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    pod: str
+    reason: str
+    ranked: list[str]  # every candidate, best first: retries walk this list
+    terms: dict[str, CostTerms]  # empty for policies that do not cost
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingInput:
+    """One request as a policy sees it."""
+
+    prompt_tokens: int  # an estimate while a deferred tail is not encoded
+    tokens: Sequence[int]  # the known token ids (a partial prompt's prefix)
+    keys: Sequence[int]  # block keys of ``tokens``
+    loads: Mapping[str, PodLoad]  # the candidates, in the pool's order
+    matches: PrefixMatches | None = None  # the index's answer, for policies that use it
+
+    @property
+    def pods(self) -> list[str]:
+        return list(self.loads)
+
+
+class Options(BaseModel):
+    """A policy's own settings (``policy_options`` in the router config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Policy(Protocol):
+    name: ClassVar[str]
+    uses_index: ClassVar[bool]  # asks the index before choosing
+
+    def choose(self, inp: RoutingInput) -> Decision: ...
+
+
+Fallback = Callable[[RoutingInput], Decision]
+
+
+async def route(
+    policy: Policy, index: ResidencyIndex, inp: RoutingInput, index_down: Fallback
+) -> tuple[Decision, PrefixMatches | None]:
+    """The decision for one request: the index's answer first if the policy uses it
+    (while the index cannot answer, ``index_down`` decides)."""
+    if not policy.uses_index:
+        return policy.choose(inp), None
+    matches = await lookup_or_none(index, inp.keys, inp.pods)
+    if matches is None:
+        return index_down(inp), None
+    return policy.choose(replace(inp, matches=matches)), matches
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What a policy is built from: the cost model and its own options."""
+
+    cost: CostModel
+    options: Options

@@ -1,0 +1,88 @@
+"""kvplane's policy: the lowest predicted time to first token, recompute weighted.
+
+Every candidate is costed (``CostModel.predict``: queue + transfer of what sits in a
+slower tier + recompute of what is missing); the score weighs recompute by
+``recompute_weight`` because every recomputed token also delays the requests queued
+behind it. Pods over the load cap go last; near-ties (within ``balance_band``) go to
+the pod sent the least prefill work lately, exact ties to fewer in flight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import ClassVar
+
+from kvplane.router.config import CostParams
+from kvplane.router.cost import CostModel, PodLoad
+from kvplane.router.index.base import PrefixMatches
+from kvplane.router.policies.base import Decision, Options, PolicyContext, RoutingInput
+from kvplane.router.policies.registry import register
+
+
+class CostReason:
+    CACHE = "cache_hit"  # the cheapest pod holds part of the prompt
+    LOAD = "load_balance"  # no usable residency anywhere: cheapest queue wins
+    LOAD_OVER_CACHE = "load_over_cache"  # a pod held more, but its queue cost more
+    LOAD_CAP = "load_cap"  # the best-cached pod was over the load cap
+
+
+def over_cap(loads: Mapping[str, PodLoad], params: CostParams) -> set[str]:
+    """Pods whose in-flight count exceeds ``load_cap`` x the mean (+ slack)."""
+    if len(loads) < 2:
+        return set()
+    mean = sum(ld.inflight for ld in loads.values()) / len(loads)
+    limit = params.load_cap * mean + params.load_cap_slack
+    return {pod for pod, ld in loads.items() if ld.inflight > limit}
+
+
+def choose_by_cost(
+    model: CostModel, prompt_tokens: int, matches: PrefixMatches, loads: Mapping[str, PodLoad]
+) -> Decision:
+    """Lowest score (predicted TTFT with recompute weighted) among pods under the load
+    cap; near-ties go to the pod sent the least prefill work lately, exact ties to fewer
+    in flight."""
+    params = model.params
+    pods = list(loads)
+    terms = {p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p]) for p in pods}
+    capped = over_cap(loads, params)
+    eligible = [p for p in pods if p not in capped] or pods
+    w = params.recompute_weight
+    score = {p: t.ttft_ms + (w - 1.0) * t.recompute_ms for p, t in terms.items()}
+
+    def rank_key(p: str) -> tuple[float, int, str]:
+        return (score[p], loads[p].inflight, p)
+
+    ranked = sorted(eligible, key=rank_key) + sorted(set(pods) - set(eligible), key=rank_key)
+    # Near-ties go to the pod sent the least prefill work lately: queues that look equal now
+    # say little about the requests that will follow this prompt's prefix.
+    limit = score[ranked[0]] * (1 + params.balance_band)
+    band = [p for p in eligible if score[p] <= limit]
+    if len(band) > 1:
+        pick = min(band, key=lambda p: (loads[p].recent_prefill_tokens, rank_key(p)))
+        ranked.remove(pick)
+        ranked.insert(0, pick)
+    best = ranked[0]
+    most_cached = max(pods, key=lambda p: (terms[p].cached_tokens, -terms[p].ttft_ms))
+    top_cached = terms[most_cached].cached_tokens
+    if terms[best].cached_tokens >= top_cached and top_cached > 0:
+        reason = CostReason.CACHE
+    elif top_cached == 0:
+        reason = CostReason.LOAD
+    elif most_cached in capped:
+        reason = CostReason.LOAD_CAP
+    else:
+        reason = CostReason.LOAD_OVER_CACHE
+    return Decision(best, reason, ranked, terms)
+
+
+@register
+class CostPolicy:
+    name: ClassVar[str] = "cost"
+    uses_index: ClassVar[bool] = True
+    options: ClassVar[type[Options]] = Options
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self._model = ctx.cost
+
+    def choose(self, inp: RoutingInput) -> Decision:
+        return choose_by_cost(self._model, inp.prompt_tokens, inp.matches or {}, inp.loads)

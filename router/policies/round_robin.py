@@ -1,0 +1,24 @@
+"""Baseline: each request to the next pod in name order."""
+
+from __future__ import annotations
+
+import itertools
+from typing import ClassVar
+
+from kvplane.router.policies.base import Decision, Options, PolicyContext, RoutingInput
+from kvplane.router.policies.registry import register
+
+
+@register
+class RoundRobin:
+    name: ClassVar[str] = "round_robin"
+    uses_index: ClassVar[bool] = False
+    options: ClassVar[type[Options]] = Options
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, inp: RoutingInput) -> Decision:
+        pods = sorted(inp.loads)
+        start = next(self._counter) % len(pods)
+        return Decision(pods[start], self.name, [*pods[start:], *pods[:start]], {})
