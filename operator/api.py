@@ -14,6 +14,7 @@ from typing import Annotated, Any
 
 from kvplane.router.config import CostParams
 from kvplane.router.policies import options_model, policy_names
+from kvplane.router.tiers import Tier
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict, JsonValue
@@ -314,11 +315,7 @@ class EnginePoolStatus(Model):
 # --- KVCacheTier -----------------------------------------------------------------
 
 
-class TierKind(StrEnum):
-    HBM = "hbm"
-    DRAM = "dram"
-    NVME = "nvme"
-    REMOTE = "remote"
+TierKind = Tier  # the router's tier table (router/tiers.py) is the one list of tier kinds
 
 
 class TierBackend(StrEnum):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from kvplane.router.tiers import Tier
+from kvplane.router.tiers import TIERS, Tier
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
@@ -76,10 +76,10 @@ class TierCost(_Strict):
 
 
 def _default_tiers() -> dict[Tier, TierCost]:
+    """Every tier below HBM at its default cost (``router/tiers.py``)."""
     return {
-        Tier.DRAM: TierCost(bandwidth_gbps=50.0, latency_ms=0.05),
-        Tier.NVME: TierCost(bandwidth_gbps=6.0, latency_ms=0.1),
-        Tier.REMOTE: TierCost(bandwidth_gbps=25.0, latency_ms=1.0),
+        t.tier: TierCost(bandwidth_gbps=t.bandwidth_gbps, latency_ms=t.latency_ms)
+        for t in TIERS[1:]
     }
 
 

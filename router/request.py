@@ -13,6 +13,8 @@ import msgspec
 from kvplane.router.errors import APIError
 from kvplane.router.tokens import ChatOptions
 
+from kvplane.fields import FieldTypeError, opt_bool
+
 _decoder = msgspec.json.Decoder()
 
 
@@ -29,15 +31,6 @@ class ParsedRequest:
     add_special_tokens: bool = True
 
 
-def _opt_bool(body: dict[str, Any], name: str, default: bool) -> bool:
-    v = body.get(name, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise APIError(400, f"'{name}' must be a boolean", param=name)
-    return v
-
-
 def _max_tokens(body: dict[str, Any]) -> int | None:
     for name in ("max_completion_tokens", "max_tokens"):
         v = body.get(name)
@@ -52,6 +45,13 @@ def _max_tokens(body: dict[str, Any]) -> int | None:
 def parse_request(raw: bytes, kind: str | None = None) -> ParsedRequest:
     """``kind``: "chat" or "completions" (the route's); None: chat when the body has a
     ``messages`` field (the explain endpoint takes either)."""
+    try:
+        return _parse(raw, kind)
+    except FieldTypeError as exc:
+        raise APIError(400, f"'{exc.key}' must be a {exc.expected}", param=exc.key) from exc
+
+
+def _parse(raw: bytes, kind: str | None) -> ParsedRequest:
     if not raw:
         raise APIError(400, "request body is empty; expected a JSON object")
     try:
@@ -65,7 +65,7 @@ def parse_request(raw: bytes, kind: str | None = None) -> ParsedRequest:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise APIError(400, "missing required field 'model'", param="model")
-    stream = _opt_bool(body, "stream", False)
+    stream = opt_bool(body, "stream", False)
     max_tokens = _max_tokens(body)
     if kind == "chat":
         messages = body.get("messages")
@@ -83,9 +83,9 @@ def parse_request(raw: bytes, kind: str | None = None) -> ParsedRequest:
         if template is not None and not isinstance(template, str):
             raise APIError(400, "'chat_template' must be a string", param="chat_template")
         opts = ChatOptions(
-            add_generation_prompt=_opt_bool(body, "add_generation_prompt", True),
-            continue_final_message=_opt_bool(body, "continue_final_message", False),
-            add_special_tokens=_opt_bool(body, "add_special_tokens", False),
+            add_generation_prompt=opt_bool(body, "add_generation_prompt", True),
+            continue_final_message=opt_bool(body, "continue_final_message", False),
+            add_special_tokens=opt_bool(body, "add_special_tokens", False),
             chat_template=template,
             tools=tools,
             documents=body.get("documents"),
@@ -108,5 +108,5 @@ def parse_request(raw: bytes, kind: str | None = None) -> ParsedRequest:
         stream,
         max_tokens,
         prompt=prompt,
-        add_special_tokens=_opt_bool(body, "add_special_tokens", True),
+        add_special_tokens=opt_bool(body, "add_special_tokens", True),
     )

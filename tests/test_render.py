@@ -27,6 +27,7 @@ import pytest
 import yaml
 from kvplane.operator.api import EnginePoolSpec, InferencePoolSpec, KVCacheTierSpec
 from kvplane.operator.render import (
+    EnginePod,
     RenderError,
     Role,
     engine_deployment,
@@ -576,7 +577,7 @@ def _tier(**spec: Any) -> KVCacheTierSpec:
 def test_render_errors() -> None:
     pool = EnginePoolSpec.model_validate(_pool(gpusPerReplica=2))
     with pytest.raises(RenderError, match="tensorParallelSize"):
-        vllm_args(_ipool(), Role.DECODE, pool)
+        vllm_args(EnginePod(_ipool(), Role.DECODE, pool))
     one = EnginePoolSpec.model_validate(_pool())
     nixl = EnginePoolSpec.model_validate(_pool(kvTransfer={"connector": "nixl"}))
     mooncake = EnginePoolSpec.model_validate(_pool(kvTransfer={"connector": "mooncake"}))
@@ -586,21 +587,21 @@ def test_render_errors() -> None:
     assert pd_transfer(one, [nixl, one]) == nixl.kv_transfer
     lmcache = EnginePoolSpec.model_validate(_pool(kvTransfer={"connector": "lmcache"}))
     with pytest.raises(RenderError, match="LMCache P/D"):
-        vllm_args(_ipool(), Role.PREFILL, lmcache, transfer=lmcache.kv_transfer)
+        vllm_args(EnginePod(_ipool(), Role.PREFILL, lmcache, (), lmcache.kv_transfer))
     dram = _tier(tier="dram", capacityPerPod="8Gi")
     with pytest.raises(RenderError, match="more than one dram"):
-        vllm_args(_ipool(), Role.DECODE, one, [dram, dram])
+        vllm_args(EnginePod(_ipool(), Role.DECODE, one, [dram, dram]))
     nvme = _tier(tier="nvme", backend="lmcache", volume={"size": "1Ti"})
     remote = _tier(tier="remote", backend="mooncake", url="mooncake://m:50051")
     sglang = _ipool(kind="sglang")
     with pytest.raises(RenderError, match="one storage backend"):
-        sglang_args(sglang, Role.DECODE, one, [nvme, remote])
+        sglang_args(EnginePod(sglang, Role.DECODE, one, [nvme, remote]))
     s3 = _tier(tier="remote", backend="s3", url="s3://bucket/kv")
     with pytest.raises(RenderError, match="no s3 storage backend"):
-        sglang_args(sglang, Role.DECODE, one, [s3])
+        sglang_args(EnginePod(sglang, Role.DECODE, one, [s3]))
     tiny = _tier(tier="dram", capacityPerPod="512Mi")
     with pytest.raises(RenderError, match="whole GB"):
-        sglang_args(sglang, Role.DECODE, one, [tiny])
+        sglang_args(EnginePod(sglang, Role.DECODE, one, [tiny]))
     with pytest.raises(RenderError, match="prefill or decode"):
         engine_deployment(POOL, NAMESPACE, _ipool(), "r", "router", one, [], "g")
 

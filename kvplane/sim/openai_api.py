@@ -21,6 +21,7 @@ from typing import Any, Final
 
 import msgspec
 
+from kvplane.fields import FieldTypeError, opt_bool, opt_int
 from kvplane.sim.httpd import Response
 
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16
@@ -126,24 +127,6 @@ def check_model(obj: dict[str, Any], served: str) -> None:
         )
 
 
-def _opt_int(obj: dict[str, Any], key: str) -> int | None:
-    v = obj.get(key)
-    if v is None:
-        return None
-    if type(v) is not int:
-        raise _invalid(key, "Input should be a valid integer")
-    return v
-
-
-def _opt_bool(obj: dict[str, Any], key: str, default: bool) -> bool:
-    v = obj.get(key)
-    if v is None:
-        return default
-    if type(v) is not bool:
-        raise _invalid(key, "Input should be a valid boolean")
-    return v
-
-
 @dataclass(slots=True)
 class GenParams:
     """What a generation request asks for, validated (prompts not yet tokenized)."""
@@ -193,6 +176,13 @@ def parse_prompts(prompt: Any) -> list[str | list[int]]:
 
 
 def parse_generate(obj: dict[str, Any], *, chat: bool) -> GenParams:
+    try:
+        return _parse_generate(obj, chat=chat)
+    except FieldTypeError as exc:
+        raise _invalid(exc.key, f"Input should be a valid {exc.expected}") from exc
+
+
+def _parse_generate(obj: dict[str, Any], *, chat: bool) -> GenParams:
     """Validates a ``/v1/completions`` or ``/v1/chat/completions`` body."""
     messages: list[Any] | None = None
     prompts: list[str | list[int]] = []
@@ -202,9 +192,9 @@ def parse_generate(obj: dict[str, Any], *, chat: bool) -> GenParams:
         messages = obj["messages"]
         if not isinstance(messages, list):
             raise _invalid("messages", "Input should be a valid list")
-        max_tokens = _opt_int(obj, "max_completion_tokens")
+        max_tokens = opt_int(obj, "max_completion_tokens")
         if max_tokens is None:
-            max_tokens = _opt_int(obj, "max_tokens")
+            max_tokens = opt_int(obj, "max_tokens")
     else:
         if obj.get("prompt") in (None, "", []):
             raise ApiError(
@@ -214,7 +204,7 @@ def parse_generate(obj: dict[str, Any], *, chat: bool) -> GenParams:
                 "prompt",
             )
         prompts = parse_prompts(obj["prompt"])
-        max_tokens = _opt_int(obj, "max_tokens")
+        max_tokens = opt_int(obj, "max_tokens")
     if max_tokens is not None and max_tokens < 1:
         raise ApiError(
             400,
@@ -222,10 +212,10 @@ def parse_generate(obj: dict[str, Any], *, chat: bool) -> GenParams:
             "BadRequestError",
             "max_tokens",
         )
-    n = _opt_int(obj, "n") or 1
+    n = opt_int(obj, "n") or 1
     if n < 1 or n > MAX_N:
         raise ApiError(400, f"n must be between 1 and {MAX_N}, got {n}.", param="n")
-    stream = _opt_bool(obj, "stream", False)
+    stream = opt_bool(obj, "stream", False)
     opts = obj.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _invalid("stream_options", "Input should be a valid dictionary")
@@ -251,8 +241,8 @@ def parse_generate(obj: dict[str, Any], *, chat: bool) -> GenParams:
         stream=stream,
         include_usage=bool(opts.get("include_usage")),
         continuous_usage=bool(opts.get("continuous_usage_stats")),
-        add_special_tokens=_opt_bool(obj, "add_special_tokens", not chat),
-        echo=_opt_bool(obj, "echo", False),
+        add_special_tokens=opt_bool(obj, "add_special_tokens", not chat),
+        echo=opt_bool(obj, "echo", False),
         kv_transfer_params=ktp,
         chat_options=chat_options,
         raw=obj,

@@ -8,28 +8,21 @@ same Deployment (new pods get the new generation label) instead of orphaning pod
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 from kvplane.operator.api import (
-    Connector,
-    Engine,
     EnginePoolSpec,
     InferencePoolSpec,
     KVCacheTierSpec,
     KVTransfer,
-    ScaleSignal,
     TierVolume,
 )
-from kvplane.operator.render import k8s, names, sglang, stores, vllm
+from kvplane.operator.render import k8s, names
+from kvplane.operator.render.engines import EnginePod, adapter
 from kvplane.operator.render.names import Role
-from kvplane.operator.render.tiers import (
-    LMCACHE_CONFIG_DIR,
-    NVME_MOUNT,
-    RenderError,
-    plan_tiers,
-)
+from kvplane.operator.render.tiers import NVME_MOUNT, RenderError
 
-Json = dict[str, Any]
+from kvplane.types import Json
 
 SHM_MOUNT: Final = "/dev/shm"
 # Weights are downloaded and loaded before /health answers: allow an hour.
@@ -111,33 +104,20 @@ def engine_deployment(
     role = Role(role)
     if role not in names.ENGINE_ROLES:
         raise RenderError(f"engine role must be prefill or decode, not {role.value}")
-    transfer = vllm.effective_transfer(role, transfer)
-    kind = ipool.engine.kind
-    plan = plan_tiers(tiers)
+    engine = EnginePod(ipool, role, pool, tiers, transfer)
+    impl = adapter(ipool.engine.kind)
+    plan = engine.plan
     name = names.engine_name(ipool_name, role, pool_name)
     selector = names.selector_labels(ipool_name, role, pool_name)
-    labels = names.object_labels(ipool_name, role, kind.value, pool_name, generation)
+    labels = names.object_labels(ipool_name, role, impl.kind.value, pool_name, generation)
     annotations = {names.ANNOTATION_GENERATION: generation}
-
-    if kind is Engine.VLLM:
-        command = vllm.COMMAND
-        args = vllm.vllm_args(ipool, role, pool, tiers, transfer=transfer)
-        env = vllm.vllm_env(ipool, role, pool, tiers, transfer=transfer)
-    else:
-        command = sglang.COMMAND
-        args = sglang.sglang_args(ipool, role, pool, tiers, transfer=transfer)
-        env = sglang.sglang_env(ipool, role, pool, tiers, transfer=transfer)
 
     ports = [
         k8s.port(names.PORT_HTTP, names.ENGINE_HTTP_PORT),
         k8s.port(names.PORT_KV_EVENTS, names.KV_EVENTS_PORT),
         k8s.port(names.PORT_KV_REPLAY, names.KV_REPLAY_PORT),
+        *(k8s.port(n, p) for n, p in impl.transfer_ports(engine)),
     ]
-    if transfer is not None:
-        if kind is Engine.VLLM and transfer.connector is Connector.NIXL:
-            ports.append(k8s.port(names.PORT_NIXL, transfer.side_channel_port))
-        elif role is Role.PREFILL:  # vLLM Mooncake and every SGLang P/D backend
-            ports.append(k8s.port(names.PORT_BOOTSTRAP, transfer.bootstrap_port))
 
     mounts: list[Json] = [{"name": "dshm", "mountPath": SHM_MOUNT}]
     # NCCL and the engines' worker processes share tensors through /dev/shm, which
@@ -147,24 +127,17 @@ def engine_deployment(
         mounts.append({"name": "kv-nvme", "mountPath": NVME_MOUNT})
         volumes.append({"name": "kv-nvme", **_nvme_volume(plan.nvme.volume, selector)})
     pod_annotations = dict(annotations)
-    if kind is Engine.VLLM and plan.uses_lmcache:
-        mounts.append({"name": "lmcache-config", "mountPath": LMCACHE_CONFIG_DIR, "readOnly": True})
-        volumes.append(
-            {
-                "name": "lmcache-config",
-                "configMap": {"name": names.lmcache_config_name(ipool_name)},
-            }
-        )
-        pod_annotations[names.ANNOTATION_CONFIG_HASH] = k8s.content_hash(
-            stores.lmcache_config(tiers)
-        )
+    for cm in impl.config_mounts(ipool_name, tiers):
+        mounts.append({"name": cm.volume, "mountPath": cm.mount_path, "readOnly": True})
+        volumes.append({"name": cm.volume, "configMap": {"name": cm.config_map}})
+        pod_annotations[names.ANNOTATION_CONFIG_HASH] = k8s.content_hash(cm.content)
 
     container: Json = {
         "name": "engine",
         "image": ipool.engine.image,
-        "command": list(command),
-        "args": args,
-        "env": env,
+        "command": list(impl.command),
+        "args": impl.args(engine),
+        "env": impl.env(engine),
         "ports": ports,
         "resources": _resources(pool),
         "volumeMounts": mounts,
@@ -182,7 +155,7 @@ def engine_deployment(
     if secrets:
         # store credentials (AWS_*, a Redis password, ...) arrive as the Secret's keys
         container["envFrom"] = [{"secretRef": {"name": s}} for s in secrets]
-    if transfer is not None and transfer.protocol == "rdma":
+    if engine.transfer is not None and engine.transfer.protocol == "rdma":
         # RDMA registers (pins) the KV cache memory: needs an unlimited memlock
         container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
 
@@ -220,16 +193,6 @@ def engine_deployment(
     )
 
 
-# Per-pod engine metrics as a Prometheus adapter exposes them (":" is not allowed in
-# custom metric names, so vllm:kv_cache_usage_perc becomes vllm_kv_cache_usage_perc).
-_SCALE_METRICS = {
-    (Engine.VLLM, ScaleSignal.KV_CACHE_PRESSURE): "vllm_kv_cache_usage_perc",
-    (Engine.VLLM, ScaleSignal.QUEUE_DEPTH): "vllm_num_requests_waiting",
-    (Engine.SGLANG, ScaleSignal.KV_CACHE_PRESSURE): "sglang_token_usage",
-    (Engine.SGLANG, ScaleSignal.QUEUE_DEPTH): "sglang_num_queue_reqs",
-}
-
-
 def engine_autoscaler(
     ipool_name: str,
     namespace: str,
@@ -245,7 +208,7 @@ def engine_autoscaler(
     if scaling is None:
         return None
     name = names.engine_name(ipool_name, role, pool_name)
-    metric = _SCALE_METRICS[(ipool.engine.kind, scaling.signal)]
+    metric = adapter(ipool.engine.kind).scale_metrics[scaling.signal]
     target = f"{round(scaling.target * 1000)}m"
     labels = names.object_labels(ipool_name, role, ipool.engine.kind.value, pool_name)
     return {
@@ -267,3 +230,15 @@ def engine_autoscaler(
             ],
         },
     }
+
+
+def engine_config_maps(
+    ipool_name: str, namespace: str, ipool: InferencePoolSpec, tiers: Sequence[KVCacheTierSpec]
+) -> list[Json]:
+    """The ConfigMaps the InferencePool's engines mount (LMCache's config for vLLM)."""
+    out = []
+    for cm in adapter(ipool.engine.kind).config_mounts(ipool_name, tiers):
+        labels = {**names.common_labels(ipool_name, cm.component, cm.component)}
+        labels[names.LABEL_POOL] = ipool_name
+        out.append(k8s.config_map(cm.config_map, namespace, labels, {cm.key: cm.content}))
+    return out

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Any
 
-Json = dict[str, Any]
+from kvplane.types import Json
 
 
 def metadata(

@@ -7,15 +7,19 @@ what the golden tests pin.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from kvplane.operator.api import EnginePoolSpec, InferencePoolSpec, KVCacheTierSpec
 from kvplane.operator.render import names, stores
-from kvplane.operator.render.engine import engine_autoscaler, engine_deployment, pd_transfer
+from kvplane.operator.render.engine import (
+    engine_autoscaler,
+    engine_config_maps,
+    engine_deployment,
+    pd_transfer,
+)
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.router import indexer_objects, router_objects
 
-Json = dict[str, Any]
+from kvplane.types import Json
 
 
 def inference_pool_objects(
@@ -35,9 +39,7 @@ def inference_pool_objects(
     transfer = pd_transfer(prefill[1] if prefill else None, list(decodes.values()))
     disaggregated = prefill is not None
     objects: list[Json] = []
-    lmcache = stores.lmcache_configmap(ipool_name, namespace, ipool, tiers)
-    if lmcache is not None:
-        objects.append(lmcache)
+    objects += engine_config_maps(ipool_name, namespace, ipool, tiers)
     objects += stores.redis_objects(ipool_name, namespace, ipool)
     objects += stores.mooncake_objects(ipool_name, namespace, ipool, tiers)
     engines = [(prefill[0], Role.PREFILL, prefill[1])] if prefill is not None else []

@@ -7,16 +7,17 @@ Kubernetes discovery, so they need a ServiceAccount that may list and watch pods
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Final
 
 import yaml
-from kvplane.operator.api import Connector, Engine, InferencePoolSpec, KVCacheTierSpec, KVTransfer
+from kvplane.operator.api import InferencePoolSpec, KVCacheTierSpec, KVTransfer
 from kvplane.operator.render import k8s, names, stores
+from kvplane.operator.render.engines import adapter
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.tiers import plan_tiers
 from kvplane.router.config import RouterConfig
 
-Json = dict[str, Any]
+from kvplane.types import Json
 
 CONFIG_DIR: Final = "/etc/kvplane"
 CONFIG_KEY: Final = "router.yaml"
@@ -77,13 +78,7 @@ def pd_config(ipool: InferencePoolSpec, transfer: KVTransfer) -> Json:
     """The router's ``pd`` section: the handoff protocol the rendered engines speak
     and the port their bootstrap servers listen on (the NIXL side channel travels
     inside the prefill pod's answer, so the router needs no port for it)."""
-    if ipool.engine.kind is Engine.SGLANG:
-        connector = "sglang"
-    elif transfer.connector is Connector.MOONCAKE:
-        connector = "mooncake"
-    else:
-        return {"connector": "nixl"}
-    return {"connector": connector, "bootstrap_port": transfer.bootstrap_port}
+    return adapter(ipool.engine.kind).router_pd(transfer)
 
 
 def router_config(

@@ -1,38 +1,24 @@
-"""The stores an InferencePool runs next to its engines: the residency index's Redis,
-a Mooncake Store master, and the LMCache configuration its vLLM engines read.
-"""
+"""The stores an InferencePool runs next to its engines: the residency index's Redis
+and a Mooncake Store master."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Final
 
-import yaml
 from kvplane.operator.api import (
-    Compression,
-    Engine,
     InferencePoolSpec,
     KVCacheTierSpec,
     ManagedRedis,
-    TierBackend,
 )
 from kvplane.operator.render import k8s, names
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.tiers import (
-    NVME_MOUNT,
-    RenderError,
-    TierPlan,
-    gib,
     is_managed_mooncake,
-    plan_tiers,
     quantity_bytes,
-    store_address,
 )
 
-Json = dict[str, Any]
-
-LMCACHE_CONFIG_KEY: Final = "lmcache.yaml"
+from kvplane.types import Json
 
 # --- Redis (residency index) -----------------------------------------------------
 
@@ -123,12 +109,6 @@ def managed_mooncake(
     return None
 
 
-def mooncake_url(ipool_name: str, namespace: str) -> str:
-    """The url a remote mooncake tier uses to ask for the managed master."""
-    host = names.service_host(names.mooncake_name(ipool_name), namespace)
-    return f"mooncake://{host}:{names.MOONCAKE_RPC_PORT}"
-
-
 def mooncake_objects(
     ipool_name: str,
     namespace: str,
@@ -192,80 +172,3 @@ def mooncake_objects(
             ],
         ),
     ]
-
-
-# --- LMCache ----------------------------------------------------------------------
-
-_SERDE: Final = {
-    Compression.NONE: "naive",
-    Compression.CACHEGEN: "cachegen",
-    Compression.KIVI: "kivi",
-}
-
-
-def _remote_url(tier: KVCacheTierSpec) -> str:
-    """LMCache's ``remote_url`` scheme for each remote backend."""
-    if tier.backend is TierBackend.S3:
-        assert tier.url is not None  # CEL: remote tiers have a url
-        return tier.url
-    if tier.backend is TierBackend.REDIS and tier.url and tier.url.startswith("rediss://"):
-        return tier.url
-    scheme = {
-        TierBackend.MOONCAKE: "mooncakestore",
-        TierBackend.REDIS: "redis",
-        TierBackend.LMCACHE_SERVER: "lm",
-    }.get(tier.backend)
-    if scheme is None:
-        raise RenderError(f"LMCache has no remote backend {tier.backend.value}")
-    suffix = "/" if tier.backend is TierBackend.MOONCAKE else ""
-    return f"{scheme}://{store_address(tier).hostport}{suffix}"
-
-
-def lmcache_config_dict(plan: TierPlan) -> Json:
-    """LMCache settings shared by every pod of the pool (per-pod ones: vllm.py)."""
-    lm_tiers = plan.lmcache_tiers
-    if not lm_tiers:
-        raise RenderError("no tier uses LMCache")
-    chunks = {t.chunk_size for t in lm_tiers}
-    if len(chunks) != 1:
-        raise RenderError(f"LMCache tiers disagree on chunkSize: {sorted(chunks)}")
-    config: Json = {"chunk_size": chunks.pop()}
-    dram = plan.dram if plan.dram and plan.dram.backend is TierBackend.LMCACHE else None
-    config["local_cpu"] = dram is not None
-    if dram is not None:
-        config["max_local_cpu_size"] = round(gib(dram.capacity_per_pod), 3)
-    if plan.nvme is not None:
-        nvme = plan.nvme
-        size = nvme.capacity_per_pod
-        if quantity_bytes(size) == 0 and nvme.volume is not None:
-            size = nvme.volume.size
-        config["local_disk"] = f"file://{NVME_MOUNT}/"
-        config["max_local_disk_size"] = round(gib(size), 3)
-    if plan.remote is not None:
-        config["remote_url"] = _remote_url(plan.remote)
-        config["remote_serde"] = _SERDE[plan.remote.compression]
-    # same chunk hashes on every pod, so a shared remote store deduplicates across them
-    config["pre_caching_hash_algorithm"] = "sha256_cbor_64bit"
-    # forward LMCache's stores into vLLM's KV event stream: the router indexes them
-    config["enable_kv_events"] = True
-    return config
-
-
-def lmcache_config(tiers: Sequence[KVCacheTierSpec]) -> str:
-    """The YAML file at LMCACHE_CONFIG_FILE (sorted keys: stable ConfigMap content)."""
-    return yaml.safe_dump(lmcache_config_dict(plan_tiers(tiers)), sort_keys=True)
-
-
-def lmcache_configmap(
-    ipool_name: str, namespace: str, ipool: InferencePoolSpec, tiers: Sequence[KVCacheTierSpec]
-) -> Json | None:
-    """The ConfigMap vLLM engines mount, or None when no LMCache tier applies."""
-    if ipool.engine.kind is not Engine.VLLM or not plan_tiers(tiers).uses_lmcache:
-        return None
-    labels = {**names.common_labels(ipool_name, "lmcache", "lmcache"), names.LABEL_POOL: ipool_name}
-    return k8s.config_map(
-        names.lmcache_config_name(ipool_name),
-        namespace,
-        labels,
-        {LMCACHE_CONFIG_KEY: lmcache_config(tiers)},
-    )

@@ -8,7 +8,7 @@ answers are computed once here and cannot disagree.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Final
@@ -117,11 +117,21 @@ def is_managed_mooncake(tier: KVCacheTierSpec, pool: str, namespace: str) -> boo
 
 @dataclass(frozen=True)
 class TierPlan:
-    """The tiers of one InferencePool, at most one per kind, by what serves them."""
+    """The tiers of one InferencePool below HBM, at most one per kind."""
 
-    dram: KVCacheTierSpec | None
-    nvme: KVCacheTierSpec | None
-    remote: KVCacheTierSpec | None
+    by_kind: Mapping[TierKind, KVCacheTierSpec]
+
+    @property
+    def dram(self) -> KVCacheTierSpec | None:
+        return self.by_kind.get(TierKind.DRAM)
+
+    @property
+    def nvme(self) -> KVCacheTierSpec | None:
+        return self.by_kind.get(TierKind.NVME)
+
+    @property
+    def remote(self) -> KVCacheTierSpec | None:
+        return self.by_kind.get(TierKind.REMOTE)
 
     @property
     def native_dram(self) -> KVCacheTierSpec | None:
@@ -154,8 +164,4 @@ def plan_tiers(tiers: Sequence[KVCacheTierSpec]) -> TierPlan:
         if tier.tier in by_kind:
             raise RenderError(f"more than one {tier.tier.value} tier: engines have one of each")
         by_kind[tier.tier] = tier
-    return TierPlan(
-        dram=by_kind.get(TierKind.DRAM),
-        nvme=by_kind.get(TierKind.NVME),
-        remote=by_kind.get(TierKind.REMOTE),
-    )
+    return TierPlan(by_kind)

@@ -25,11 +25,10 @@ from operator import and_
 from typing import Final
 
 from kvplane.router.index.base import PrefixMatches
-from kvplane.router.tiers import TIER_ORDER, Tier
+from kvplane.router.tiers import TIER_BIT, TIER_ORDER, Tier
 
 N_TIERS: Final = len(TIER_ORDER)
 FIELD: Final = (1 << N_TIERS) - 1
-TIER_BIT: Final[dict[Tier, int]] = {tier: 1 << i for i, tier in enumerate(TIER_ORDER)}
 HBM_BIT: Final = TIER_BIT[Tier.HBM]
 # A router-made mark: counts as HBM until it expires or an event settles it.
 TENTATIVE_BIT: Final = 1 << N_TIERS

@@ -17,10 +17,21 @@ from collections.abc import Mapping, Sequence
 
 import redis.asyncio as aioredis
 from kvplane.router.index.base import PrefixMatches
-from kvplane.router.tiers import TIER_ORDER, Tier
+from kvplane.router.tiers import TIER_ORDER, Tier, lua_tier_index, lua_tier_names
 
 SEP = "\x1f"
 _TENTATIVE_INC = "-"  # incarnation of marks on a pod the index has no stream for yet
+
+
+def _lua(script: str) -> str:
+    """A script with the tier table (``router/tiers.py``) filled in."""
+    return (
+        script.replace("__TIER_INDEX__", lua_tier_index())
+        .replace("__TIER_NAMES__", lua_tier_names())
+        .replace("__NTIERS__", str(len(TIER_ORDER)))
+        .replace("__HBM__", TIER_ORDER[0].value)
+    )
+
 
 _LOOKUP = """
 local n = #KEYS - 1
@@ -28,15 +39,16 @@ local npods = #ARGV
 local cur = redis.call('HMGET', KEYS[n + 1], unpack(ARGV))
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local tier_idx = {hbm = 1, dram = 2, nvme = 3, remote = 4}
+local tier_idx = __TIER_INDEX__
+local ntiers = __NTIERS__
 local pod_idx, runs, alive = {}, {}, {}
 for p = 1, npods do
   pod_idx[ARGV[p]] = p
   if not cur[p] then cur[p] = '-' end
-  runs[p] = {0, 0, 0, 0}
-  alive[p] = {true, true, true, true}
+  runs[p], alive[p] = {}, {}
+  for ti = 1, ntiers do runs[p][ti], alive[p][ti] = 0, true end
 end
-local active = npods * 4
+local active = npods * ntiers
 for i = 1, n do
   if active == 0 then break end
   local h = redis.call('HGETALL', KEYS[i])
@@ -54,7 +66,7 @@ for i = 1, n do
   end
   for p = 1, npods do
     local b = best[p]
-    for ti = 1, 4 do
+    for ti = 1, ntiers do
       if alive[p][ti] then
         if b ~= nil and b <= ti then
           runs[p][ti] = runs[p][ti] + 1
@@ -68,7 +80,7 @@ for i = 1, n do
 end
 local out = {}
 for p = 1, npods do
-  for ti = 1, 4 do out[#out + 1] = runs[p][ti] end
+  for ti = 1, ntiers do out[#out + 1] = runs[p][ti] end
 end
 return out
 """
@@ -96,7 +108,7 @@ _TENTATIVE = """
 local inc = redis.call('HGET', KEYS[1], ARGV[1]) or '-'
 local t = redis.call('TIME')
 local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[2])
-local field = ARGV[1] .. '\\31' .. inc .. '\\31hbm'
+local field = ARGV[1] .. '\\31' .. inc .. '\\31__HBM__'
 local set = ARGV[3] .. ARGV[1] .. ':' .. inc
 for i = 2, #KEYS do
   local v = redis.call('HGET', KEYS[i], field)
@@ -112,7 +124,7 @@ return 1
 # KEYS[1] pod set; ARGV pod, inc, count, key prefix, [tier]
 _GC = """
 local keys = redis.call('SPOP', KEYS[1], tonumber(ARGV[3]))
-local tiers = {'hbm', 'dram', 'nvme', 'remote'}
+local tiers = __TIER_NAMES__
 if ARGV[5] then tiers = {ARGV[5]} end
 local kept = {}
 for _, k in ipairs(keys) do
@@ -149,11 +161,11 @@ class RedisIndex:
         self._inc = f"{base}:inc"
         self._bpre = f"{base}:b:"
         self._ppre = f"{base}:p:"
-        self._lookup = self._r.register_script(_LOOKUP)
+        self._lookup = self._r.register_script(_lua(_LOOKUP))
         self._store = self._r.register_script(_STORE)
         self._remove = self._r.register_script(_REMOVE)
-        self._tentative = self._r.register_script(_TENTATIVE)
-        self._gc = self._r.register_script(_GC)
+        self._tentative = self._r.register_script(_lua(_TENTATIVE))
+        self._gc = self._r.register_script(_lua(_GC))
 
     def _bkeys(self, keys: Sequence[int]) -> list[str]:
         pre = self._bpre
@@ -220,8 +232,9 @@ class RedisIndex:
         if not keys:
             return {p: dict.fromkeys(TIER_ORDER, 0) for p in pods}
         flat = await self._lookup(keys=[*self._bkeys(keys), self._inc], args=list(pods))
+        n = len(TIER_ORDER)
         return {
-            pod: {tier: int(flat[4 * i + j]) for j, tier in enumerate(TIER_ORDER)}
+            pod: {tier: int(flat[n * i + j]) for j, tier in enumerate(TIER_ORDER)}
             for i, pod in enumerate(pods)
         }
 

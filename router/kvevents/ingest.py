@@ -30,11 +30,10 @@ from kvplane.router.kvevents.model import (
     EventBatch,
     KVEvent,
 )
-from kvplane.router.tiers import TIER_ORDER, Tier, tier_of_medium
+from kvplane.router.tiers import TIER_BIT, Tier, tier_of_medium
 
 log = logging.getLogger(__name__)
 
-TIER_BIT: Final[dict[Tier, int]] = {tier: 1 << i for i, tier in enumerate(TIER_ORDER)}
 DEFAULT_MAX_BLOCKS_PER_POD: Final = 1_000_000
 # Mappings of blocks that left every tier, kept for later events that name them: one
 # step's evictions (a long prompt's worth of blocks) fit many times over.

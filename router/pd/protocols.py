@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-Json = dict[str, Any]
+from kvplane.types import Json
 
 # Options that make no sense for a one-token prefill or that vLLM rejects with stream=false.
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")

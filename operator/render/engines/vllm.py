@@ -9,23 +9,32 @@ pool's P/D transfer and the InferencePool's KVCacheTiers.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Final
 
 from kvplane.operator.api import (
     Connector,
-    EnginePoolSpec,
+    Engine,
     Eviction,
-    InferencePoolSpec,
     KVCacheTierSpec,
     KVTransfer,
+    ScaleSignal,
     TierBackend,
 )
 from kvplane.operator.render import names
+from kvplane.operator.render.engines.base import (
+    ConfigMount,
+    EnginePod,
+    check_parallelism,
+    compact_json,
+    identity_env,
+    kv_events_config,
+)
+from kvplane.operator.render.lmcache import LMCACHE_CONFIG_KEY, lmcache_config
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.tiers import (
     GIB,
+    LMCACHE_CONFIG_DIR,
     LMCACHE_CONFIG_FILE,
     RenderError,
     TierPlan,
@@ -36,52 +45,12 @@ from kvplane.operator.render.tiers import (
     store_address,
 )
 
+from kvplane.types import Json
+
 # Works in any vLLM image whatever its ENTRYPOINT. vLLM 0.32 marks the module
 # deprecated in favour of `vllm serve`, which parses the same flags (make_arg_parser),
 # so switching is this one line.
 COMMAND: Final = ["python3", "-m", "vllm.entrypoints.openai.api_server"]
-
-Json = dict[str, Any]
-
-
-def compact_json(value: Json) -> str:
-    """JSON for a command-line flag: no spaces, so it stays one shell word."""
-    return json.dumps(value, separators=(",", ":"))
-
-
-def effective_transfer(role: Role, transfer: KVTransfer | None) -> KVTransfer | None:
-    """A prefill pod always transfers (NIXL unless told otherwise); a decode pod only
-    when the InferencePool is disaggregated, which the caller says by passing one."""
-    if role is Role.PREFILL and transfer is None:
-        return KVTransfer()
-    return transfer
-
-
-def check_parallelism(pool: EnginePoolSpec) -> None:
-    """One engine per pod: GPUs beyond TP would be data parallel, and DP ranks offset
-    the KV event ports (rank 1's PUB 5558 collides with the replay port)."""
-    if pool.gpus_per_replica != pool.tensor_parallel_size:
-        raise RenderError(
-            f"gpusPerReplica ({pool.gpus_per_replica}) must equal tensorParallelSize "
-            f"({pool.tensor_parallel_size}): data-parallel engines publish KV events on "
-            "one port per rank, which discovery does not follow"
-        )
-
-
-def kv_events_config(served_name: str, *, vllm: bool = True) -> Json:
-    """Bind PUB and replay on every pod (the router dials each pod), one topic per pod.
-
-    ``$(POD_NAME)`` is expanded by the kubelet from the container's env, which keeps
-    the topic unique per pod without a wrapper script.
-    """
-    config: Json = {"enable_kv_cache_events": True} if vllm else {}
-    config.update(
-        publisher="zmq",
-        endpoint=f"tcp://*:{names.KV_EVENTS_PORT}",
-        replay_endpoint=f"tcp://*:{names.KV_REPLAY_PORT}",
-        topic=f"kv@$(POD_NAME)@{served_name}",
-    )
-    return config
 
 
 def _pd_connector(role: Role, transfer: KVTransfer) -> Json:
@@ -162,19 +131,17 @@ def _native_flags_suffice(plan: TierPlan, transfer: KVTransfer | None) -> bool:
     )
 
 
-def kv_transfer_config(
-    role: Role, transfer: KVTransfer | None, tiers: Sequence[KVCacheTierSpec]
-) -> Json | None:
+def kv_transfer_config(e: EnginePod) -> Json | None:
     """The --kv-transfer-config, or None when the flags (or nothing) cover it.
 
     Several connectors go into a MultiConnector, P/D first: MultiConnector loads from
     the first child reporting a hit, and a decode pod's remote prefill must win over
     a partial local hit. The offload tiers follow, fastest first; all children save.
     """
-    plan = plan_tiers(tiers)
+    plan, transfer = e.plan, e.transfer
     children: list[Json] = []
     if transfer is not None:
-        children.append(_pd_connector(role, transfer))
+        children.append(_pd_connector(e.role, transfer))
     dram = plan.native_dram
     if dram is not None and not _native_flags_suffice(plan, transfer):
         children.append(_offloading_connector(dram))
@@ -191,17 +158,9 @@ def kv_transfer_config(
     }
 
 
-def vllm_args(
-    ipool: InferencePoolSpec,
-    role: Role,
-    pool: EnginePoolSpec,
-    tiers: Sequence[KVCacheTierSpec] = (),
-    *,
-    transfer: KVTransfer | None = None,
-) -> list[str]:
-    """Arguments after :data:`COMMAND`; ``transfer`` is the InferencePool's P/D
-    transfer (see ``engine.pd_transfer``), None for an aggregated pool."""
-    transfer = effective_transfer(role, transfer)
+def vllm_args(e: EnginePod) -> list[str]:
+    """Arguments after :data:`COMMAND`."""
+    ipool, pool, transfer = e.ipool, e.pool, e.transfer
     model = ipool.model
     check_parallelism(pool)
     args = [
@@ -221,47 +180,28 @@ def vllm_args(
         "--prefix-caching-hash-algo",
         names.HASH_ALGO,
         "--kv-events-config",
-        compact_json(kv_events_config(model.served_name)),
+        compact_json({"enable_kv_cache_events": True, **kv_events_config(model.served_name)}),
         "--port",
         str(names.ENGINE_HTTP_PORT),
         "--enable-prompt-tokens-details",
     ]
     if model.max_model_len is not None:
         args += ["--max-model-len", str(model.max_model_len)]
-    plan = plan_tiers(tiers)
+    plan = e.plan
     dram = plan.native_dram
     if dram is not None and _native_flags_suffice(plan, transfer):
         size = quantity_bytes(dram.capacity_per_pod) / GIB  # total over TP ranks
         args += ["--kv-offloading-size", format_number(size), "--kv-offloading-backend", "native"]
-    connector = kv_transfer_config(role, transfer, tiers)
+    connector = kv_transfer_config(e)
     if connector is not None:
         args += ["--kv-transfer-config", compact_json(connector)]
     return args + list(ipool.engine.extra_args) + list(pool.extra_args)
 
 
-def downward_env() -> list[Json]:
-    """POD_NAME / POD_IP first, so later values and the args can use ``$(POD_IP)``."""
-    return [
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
-    ]
-
-
-def vllm_env(
-    ipool: InferencePoolSpec,
-    role: Role,
-    pool: EnginePoolSpec,
-    tiers: Sequence[KVCacheTierSpec] = (),
-    *,
-    transfer: KVTransfer | None = None,
-) -> list[Json]:
+def vllm_env(e: EnginePod) -> list[Json]:
     """Container env: identity for hashing, connector addresses, then the spec's own."""
-    transfer = effective_transfer(role, transfer)
-    env = [
-        *downward_env(),
-        # vLLM seeds the first block's parent hash (NONE_HASH) with it: equal on all pods
-        {"name": "PYTHONHASHSEED", "value": names.python_hash_seed(ipool.engine.hash_seed)},
-    ]
+    transfer, role = e.transfer, e.role
+    env = identity_env(e.ipool)
     if transfer is not None and transfer.connector is Connector.NIXL:
         env += [
             {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "$(POD_IP)"},
@@ -274,6 +214,52 @@ def vllm_env(
             env.append(
                 {"name": "VLLM_MOONCAKE_BOOTSTRAP_PORT", "value": str(transfer.bootstrap_port)}
             )
-    if plan_tiers(tiers).uses_lmcache:
+    if e.plan.uses_lmcache:
         env.append({"name": "LMCACHE_CONFIG_FILE", "value": LMCACHE_CONFIG_FILE})
-    return env + [dict(e) for e in ipool.engine.env]
+    return env + [dict(v) for v in e.ipool.engine.env]
+
+
+class VllmAdapter:
+    kind: ClassVar[Engine] = Engine.VLLM
+    command: ClassVar[list[str]] = COMMAND
+    # ":" is not allowed in custom metric names: vllm:kv_cache_usage_perc becomes
+    # vllm_kv_cache_usage_perc behind a Prometheus adapter
+    scale_metrics: ClassVar[Mapping[ScaleSignal, str]] = {
+        ScaleSignal.KV_CACHE_PRESSURE: "vllm_kv_cache_usage_perc",
+        ScaleSignal.QUEUE_DEPTH: "vllm_num_requests_waiting",
+    }
+
+    def args(self, pod: EnginePod) -> list[str]:
+        return vllm_args(pod)
+
+    def env(self, pod: EnginePod) -> list[Json]:
+        return vllm_env(pod)
+
+    def transfer_ports(self, pod: EnginePod) -> list[tuple[str, int]]:
+        t = pod.transfer
+        if t is None:
+            return []
+        if t.connector is Connector.NIXL:  # every NIXL pod serves the side channel
+            return [(names.PORT_NIXL, t.side_channel_port)]
+        # Mooncake: the producer runs the bootstrap server
+        return [(names.PORT_BOOTSTRAP, t.bootstrap_port)] if pod.role is Role.PREFILL else []
+
+    def router_pd(self, transfer: KVTransfer) -> Json:
+        if transfer.connector is Connector.MOONCAKE:
+            return {"connector": "mooncake", "bootstrap_port": transfer.bootstrap_port}
+        # the NIXL side channel travels inside the prefill pod's answer: no port
+        return {"connector": "nixl"}
+
+    def config_mounts(self, ipool_name: str, tiers: Sequence[KVCacheTierSpec]) -> list[ConfigMount]:
+        if not plan_tiers(tiers).uses_lmcache:
+            return []
+        return [
+            ConfigMount(
+                volume="lmcache-config",
+                config_map=names.lmcache_config_name(ipool_name),
+                mount_path=LMCACHE_CONFIG_DIR,
+                key=LMCACHE_CONFIG_KEY,
+                content=lmcache_config(tiers),
+                component="lmcache",
+            )
+        ]

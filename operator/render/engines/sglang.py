@@ -7,39 +7,39 @@ bootstrap protocol; KV tiers map onto HiCache (host pool, then one storage backe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import Mapping, Sequence
+from typing import ClassVar, Final
 
 from kvplane.operator.api import (
     Connector,
-    EnginePoolSpec,
-    InferencePoolSpec,
+    Engine,
     KVCacheTierSpec,
     KVTransfer,
+    ScaleSignal,
     TierBackend,
 )
 from kvplane.operator.render import names
+from kvplane.operator.render.engines.base import (
+    ConfigMount,
+    EnginePod,
+    check_parallelism,
+    compact_json,
+    identity_env,
+    kv_events_config,
+)
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.tiers import (
     NVME_MOUNT,
     RenderError,
     TierPlan,
     mooncake_metadata_url,
-    plan_tiers,
     quantity_bytes,
     store_address,
 )
-from kvplane.operator.render.vllm import (
-    check_parallelism,
-    compact_json,
-    downward_env,
-    effective_transfer,
-    kv_events_config,
-)
+
+from kvplane.types import Json
 
 COMMAND: Final = ["python3", "-m", "sglang.launch_server"]
-
-Json = dict[str, Any]
 
 
 def transfer_backend(transfer: KVTransfer) -> str:
@@ -99,16 +99,9 @@ def hicache_args(plan: TierPlan, tensor_parallel_size: int) -> list[str]:
     return args
 
 
-def sglang_args(
-    ipool: InferencePoolSpec,
-    role: Role,
-    pool: EnginePoolSpec,
-    tiers: Sequence[KVCacheTierSpec] = (),
-    *,
-    transfer: KVTransfer | None = None,
-) -> list[str]:
-    """Arguments after :data:`COMMAND`; ``transfer`` as for ``vllm_args``."""
-    transfer = effective_transfer(role, transfer)
+def sglang_args(e: EnginePod) -> list[str]:
+    """Arguments after :data:`COMMAND`."""
+    ipool, role, pool, transfer = e.ipool, e.role, e.pool, e.transfer
     check_parallelism(pool)
     model = ipool.model
     args = [
@@ -131,7 +124,7 @@ def sglang_args(
         "--enable-metrics",
         "--enable-cache-report",  # usage.prompt_tokens_details.cached_tokens
         "--kv-events-config",
-        compact_json(kv_events_config(model.served_name, vllm=False)),
+        compact_json(kv_events_config(model.served_name)),
     ]
     if model.max_model_len is not None:
         args += ["--context-length", str(model.max_model_len)]
@@ -144,24 +137,42 @@ def sglang_args(
         ]
         if role is Role.PREFILL:
             args += ["--disaggregation-bootstrap-port", str(transfer.bootstrap_port)]
-    args += hicache_args(plan_tiers(tiers), pool.tensor_parallel_size)
+    args += hicache_args(e.plan, pool.tensor_parallel_size)
     return args + list(ipool.engine.extra_args) + list(pool.extra_args)
 
 
-def sglang_env(
-    ipool: InferencePoolSpec,
-    role: Role,
-    pool: EnginePoolSpec,
-    tiers: Sequence[KVCacheTierSpec] = (),
-    *,
-    transfer: KVTransfer | None = None,
-) -> list[Json]:
-    """POD_NAME for the event topic, the file backend's directory, then the spec's env."""
-    del role, pool, transfer  # same env on both sides; kept for symmetry with vllm_env
-    env = [
-        *downward_env(),
-        {"name": "PYTHONHASHSEED", "value": names.python_hash_seed(ipool.engine.hash_seed)},
-    ]
-    if plan_tiers(tiers).nvme is not None:
+def sglang_env(e: EnginePod) -> list[Json]:
+    """POD_NAME for the event topic, the file backend's directory, then the spec's env
+    (the same on both sides of P/D)."""
+    env = identity_env(e.ipool)
+    if e.plan.nvme is not None:
         env.append({"name": "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", "value": NVME_MOUNT})
-    return env + [dict(e) for e in ipool.engine.env]
+    return env + [dict(v) for v in e.ipool.engine.env]
+
+
+class SglangAdapter:
+    kind: ClassVar[Engine] = Engine.SGLANG
+    command: ClassVar[list[str]] = COMMAND
+    scale_metrics: ClassVar[Mapping[ScaleSignal, str]] = {
+        ScaleSignal.KV_CACHE_PRESSURE: "sglang_token_usage",
+        ScaleSignal.QUEUE_DEPTH: "sglang_num_queue_reqs",
+    }
+
+    def args(self, pod: EnginePod) -> list[str]:
+        return sglang_args(pod)
+
+    def env(self, pod: EnginePod) -> list[Json]:
+        return sglang_env(pod)
+
+    def transfer_ports(self, pod: EnginePod) -> list[tuple[str, int]]:
+        t = pod.transfer
+        # every SGLang P/D backend: the prefill server runs the bootstrap server
+        if t is None or pod.role is not Role.PREFILL:
+            return []
+        return [(names.PORT_BOOTSTRAP, t.bootstrap_port)]
+
+    def router_pd(self, transfer: KVTransfer) -> Json:
+        return {"connector": "sglang", "bootstrap_port": transfer.bootstrap_port}
+
+    def config_mounts(self, ipool_name: str, tiers: Sequence[KVCacheTierSpec]) -> list[ConfigMount]:
+        return []
