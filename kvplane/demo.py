@@ -23,6 +23,7 @@ from kvplane.local.serve import serve_in_thread
 from kvplane.local.vllm_engines import BLOCK_SIZE, MAX_MODEL_LEN, VllmEngine, running_engines
 from kvplane.router.app import create_app
 from kvplane.router.config import RouterConfig
+from kvplane.workload.results import percentile
 from kvplane.workload.text import shared_prefix_workload
 
 
@@ -41,10 +42,8 @@ class RunResult:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def pct(self, q: float) -> float:
-        if not self.ttft_ms:
-            return float("nan")
-        ordered = sorted(self.ttft_ms)
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+        """TTFT percentile, ``q`` in [0, 1] (nearest rank)."""
+        return percentile(self.ttft_ms, q * 100) if self.ttft_ms else float("nan")
 
 
 async def _one(client: openai.AsyncOpenAI, prompt: str) -> tuple[float, int, int, str]:

@@ -20,6 +20,7 @@ import pytest
 
 from kvplane.bench import overhead, procs
 from kvplane.bench.overhead import PromptFactory, count_tokens, load_counter
+from kvplane.local.ports import free_ports
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +37,7 @@ def counter(tokenizer_dir: Path) -> object:
 
 @pytest.fixture(scope="module")
 def noop(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
-    port, zport = procs.free_port(), procs.free_port()
+    port, zport = free_ports(2)
     argv = [sys.executable, "-m", "kvplane.bench.noop_backend", "--port", str(port)]
     argv += ["--kv-events-port", str(zport), "--tokenizer", str(tokenizer_dir)]
     proc = procs.spawn("noop", argv, tmp_path_factory.mktemp("noop"))

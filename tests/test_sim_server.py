@@ -32,7 +32,7 @@ from support.router_server import (
     wait_resident,
 )
 
-from kvplane.local.serve import free_port
+from kvplane.local.ports import free_port
 from kvplane.sim.fleet import FleetConfig, SimFleet, running_fleet
 from kvplane.sim.hashing import block_hashes, external_hash
 

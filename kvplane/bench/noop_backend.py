@@ -1,9 +1,9 @@
 """A no-op, OpenAI-compatible "engine" that answers at once, for router benchmarks.
 
 Router overhead is the latency a router adds on top of the engine, so the engine
-must cost (almost) nothing and, above all, cost the same every time: this server
-is a bare asyncio protocol (uvloop when present) with a hand-written HTTP/1.1
-parser, no framework, no per-request task, and one ``write`` per response.
+must cost (almost) nothing and, above all, cost the same every time: it runs on the
+simulator's lean HTTP server (``kvplane.sim.httpd``: httptools, no framework, one
+``write`` per response; uvloop when present), and builds every response at once.
 Responses have the shape vLLM's OpenAI server gives (completions and chat, stream
 and non-stream, ``n`` choices, usage). It also serves what routers probe:
 ``/v1/models``, ``/health``, ``/version``, ``/metrics`` (vLLM metric names, zero
@@ -36,24 +36,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
-MAX_HEADER_BYTES = 64 * 1024
+from kvplane.sim.httpd import HttpServer, Request, Response
+
 MAX_OUTPUT_TOKENS = 256
 DEFAULT_OUTPUT_TOKENS = 16
 TOKEN_TEXT = " ok"
-
-_REASONS = {
-    200: b"OK",
-    400: b"Bad Request",
-    404: b"Not Found",
-    405: b"Method Not Allowed",
-    413: b"Payload Too Large",
-    431: b"Request Header Fields Too Large",
-}
 
 
 class _GenRequest(msgspec.Struct, omit_defaults=True):
@@ -217,9 +208,11 @@ class NoopEngine:
 
     # -- dispatch -----------------------------------------------------------
 
-    def handle(self, method: str, target: str, body: bytes) -> bytes:
-        """Returns the full HTTP response (status line, headers and body)."""
-        path = target.split("?", 1)[0]
+    async def serve(self, req: Request) -> Response:
+        """The HTTP server's handler (HEAD answers as GET; the server sends no body)."""
+        return self.handle(req.method, req.path, req.body)
+
+    def handle(self, method: str, path: str, body: bytes) -> Response:
         by_path = self.stats.by_path
         by_path[path] = by_path.get(path, 0) + 1
         if method == "POST":
@@ -236,28 +229,28 @@ class NoopEngine:
         elif method in ("GET", "HEAD"):
             st = self._static
             if path in ("/health", "/ping"):
-                return _response(200, b"", b"text/plain")
+                return Response(200, b"", "text/plain")
             if path == "/v1/models":
-                return _response(200, st["models"])
+                return Response(200, st["models"])
             if path == "/metrics":
-                return _response(200, st["metrics"], b"text/plain; version=0.0.4")
+                return Response(200, st["metrics"], "text/plain; version=0.0.4")
             if path == "/version":
-                return _response(200, st["version"])
+                return Response(200, st["version"])
             if path == "/server_info":
-                return _response(200, st["server_info"])
+                return Response(200, st["server_info"])
             if path in ("/get_server_info", "/get_model_info"):
-                return _response(200, st["get_server_info"])
+                return Response(200, st["get_server_info"])
             if path == "/kv_event_sources":
-                return _response(200, st["kv_event_sources"])
+                return Response(200, st["kv_event_sources"])
             if path == "/bench/stats":
                 # request counts per path: lets a test see what a router sent
-                return _response(200, _encode(self.stats.by_path))
+                return Response(200, _encode(self.stats.by_path))
         if path not in self.stats.unknown_paths:
             self.stats.unknown_paths.add(path)
-            print(f"noop_backend: 404 {method} {target}", file=sys.stderr, flush=True)
+            print(f"noop_backend: 404 {method} {path}", file=sys.stderr, flush=True)
         return _error(404, f"no route {method} {path}")
 
-    def _generate(self, body: bytes, *, chat: bool) -> bytes:
+    def _generate(self, body: bytes, *, chat: bool) -> Response:
         try:
             req = _gen_decoder.decode(body)
         except msgspec.DecodeError as exc:
@@ -337,9 +330,9 @@ class NoopEngine:
             "prompt_logprobs": None,
             "kv_transfer_params": None,
         }
-        return _response(200, _encode(payload))
+        return Response(200, _encode(payload))
 
-    def _render(self, body: bytes, *, chat: bool) -> bytes:
+    def _render(self, body: bytes, *, chat: bool) -> Response:
         """vLLM's render endpoints: the prompt's token ids, as vllm-router's kv_aware asks.
 
         Chat messages are rendered with a plain ``role: content`` template (the
@@ -360,7 +353,7 @@ class NoopEngine:
                 if isinstance(m, dict)
             )
             ids = tok.encode(text, add_special_tokens=True).ids
-            return _response(200, _encode({"token_ids": ids}))
+            return Response(200, _encode({"token_ids": ids}))
         prompts = req.prompt if isinstance(req.prompt, list) else [req.prompt]
         if prompts and all(isinstance(x, int) for x in prompts):
             prompts = [prompts]
@@ -368,9 +361,9 @@ class NoopEngine:
         for p in prompts:
             ids = p if isinstance(p, list) else tok.encode(str(p), add_special_tokens=True).ids
             out.append({"token_ids": ids, "model": req.model or self.spec.model})
-        return _response(200, _encode(out))
+        return Response(200, _encode(out))
 
-    def _tokenize(self, body: bytes) -> bytes:
+    def _tokenize(self, body: bytes) -> Response:
         tok = self._tok()
         if tok is None:
             return _error(404, "this no-op backend was started without --tokenizer")
@@ -388,7 +381,7 @@ class NoopEngine:
             "tokens": ids,
             "token_strs": None,
         }
-        return _response(200, _encode(out))
+        return Response(200, _encode(out))
 
 
 _TOKENIZERS: dict[str, Any] = {}
@@ -427,20 +420,9 @@ def _prompt_text(prompt: Any, messages: Any) -> str | int:
     return "\n".join(parts)
 
 
-def _response(status: int, body: bytes, ctype: bytes = b"application/json") -> bytes:
-    reason = _REASONS.get(status, b"Error")
-    head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n\r\n" % (
-        status,
-        reason,
-        ctype,
-        len(body),
-    )
-    return head + body
-
-
-def _error(status: int, message: str) -> bytes:
+def _error(status: int, message: str) -> Response:
     body = {"object": "error", "message": message, "type": "BadRequestError", "code": status}
-    return _response(status, _encode(body))
+    return Response(status, _encode(body))
 
 
 def _stream(
@@ -451,8 +433,8 @@ def _stream(
     n_out: int,
     n_choices: int,
     usage: dict[str, Any] | None,
-) -> bytes:
-    """The whole SSE stream as one chunked-encoding response (the engine is instant)."""
+) -> Response:
+    """The whole SSE stream as one response (the engine is instant)."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     events: list[bytes] = []
 
@@ -493,118 +475,9 @@ def _stream(
     if usage is not None:
         emit([], with_usage=True)
     events.append(b"data: [DONE]\n\n")
-    out = [
-        b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream; charset=utf-8\r\n"
-        b"cache-control: no-cache\r\ntransfer-encoding: chunked\r\n\r\n"
-    ]
-    for ev in events:
-        out.append(b"%x\r\n%s\r\n" % (len(ev), ev))
-    out.append(b"0\r\n\r\n")
-    return b"".join(out)
-
-
-class _HttpProtocol(asyncio.Protocol):
-    """Minimal HTTP/1.1 server side: keep-alive, pipelining, content-length or chunked bodies."""
-
-    def __init__(self, engine: NoopEngine) -> None:
-        self.engine = engine
-        self.buf = bytearray()
-        self.transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement the interface without subclassing it
-        self.transport = cast(asyncio.Transport, transport)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.transport = None
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        while self.transport is not None and self._one():
-            pass
-
-    def _one(self) -> bool:
-        """Serves one complete request from the buffer; False when more bytes are needed."""
-        assert self.transport is not None
-        end = self.buf.find(b"\r\n\r\n")
-        if end < 0:
-            if len(self.buf) > MAX_HEADER_BYTES:
-                self._fail(431)
-            return False
-        head = bytes(self.buf[:end]).decode("latin-1")
-        lines = head.split("\r\n")
-        try:
-            method, target, version = lines[0].split(" ", 2)
-        except ValueError:
-            self._fail(400)
-            return False
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        start = end + 4
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            parsed = _dechunk(self.buf, start)
-            if parsed is None:
-                return False
-            body, consumed = parsed
-        else:
-            length = int(headers.get("content-length", "0") or 0)
-            if length > MAX_BODY_BYTES:
-                self._fail(413)
-                return False
-            if len(self.buf) - start < length:
-                if headers.get("expect", "").lower() == "100-continue" and len(self.buf) == start:
-                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                return False
-            body = bytes(self.buf[start : start + length])
-            consumed = start + length
-        del self.buf[:consumed]
-        response = self.engine.handle(method, target, body)
-        if method == "HEAD":
-            response = response[: response.find(b"\r\n\r\n") + 4]
-        close = headers.get("connection", "").lower() == "close" or version == "HTTP/1.0"
-        self.transport.write(response)
-        if close:
-            self.transport.close()
-            return False
-        return True
-
-    def _fail(self, status: int) -> None:
-        assert self.transport is not None
-        self.transport.write(_error(status, "malformed request"))
-        self.transport.close()
-
-
-def _dechunk(buf: bytearray, start: int) -> tuple[bytes, int] | None:
-    """Decodes a chunked body starting at ``start``; None until it is complete."""
-    out = bytearray()
-    pos = start
-    while True:
-        eol = buf.find(b"\r\n", pos)
-        if eol < 0:
-            return None
-        size = int(bytes(buf[pos:eol]).split(b";", 1)[0] or b"0", 16)
-        pos = eol + 2
-        if size == 0:
-            trailer_end = buf.find(b"\r\n\r\n", pos - 2)
-            if trailer_end < 0:
-                return None
-            return bytes(out), trailer_end + 4
-        if len(buf) < pos + size + 2:
-            return None
-        out += buf[pos : pos + size]
-        pos += size + 2
-
-
-async def start_server(engine: NoopEngine, host: str, port: int) -> asyncio.Server:
-    """Listens on one port; several may share a loop (and a process)."""
-    loop = asyncio.get_running_loop()
-
-    def factory() -> asyncio.Protocol:
-        return _HttpProtocol(engine)
-
-    return await loop.create_server(factory, host, port, reuse_address=True, backlog=2048)
+    return Response(
+        200, b"".join(events), "text/event-stream; charset=utf-8", (("cache-control", "no-cache"),)
+    )
 
 
 async def _serve(
@@ -626,7 +499,9 @@ async def _serve(
             sock.bind(endpoint)
             publishers.append(sock)
         engine = NoopEngine(replace(spec, instance_id=f"noop-{port}", kv_events_endpoint=endpoint))
-        servers.append(await start_server(engine, host, port))
+        server = HttpServer(engine.serve, host, port)
+        await server.start()
+        servers.append(server)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -635,8 +510,8 @@ async def _serve(
         f"noop_backend: serving {spec.model} on {host}:{list(ports)}", file=sys.stderr, flush=True
     )
     await stop.wait()
-    for s in servers:
-        s.close()
+    for server in servers:
+        await server.close()
     for sock in publishers:
         sock.close(linger=0)
 

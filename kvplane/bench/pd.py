@@ -24,8 +24,6 @@ import asyncio
 import datetime as _dt
 import json
 import logging
-import math
-import random
 import resource
 import shlex
 import sys
@@ -33,13 +31,27 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from kvplane.bench import pd_report
+from kvplane.bench.pd_setup import (
+    FLEX,
+    FLEX_AGGREGATE_MAX,
+    KVPLANE_MODES,
+    MODES,
+    PREFILL_HEAVY,
+    Split,
+    build,
+    limit_for,
+    rate_for,
+    roles_for,
+    split_for,
+    trace_path,
+    with_prefill,
+)
 from kvplane.bench.procs import (
     HOST,
     bench_main,
@@ -47,7 +59,6 @@ from kvplane.bench.procs import (
     cpu_seconds,
     csv_list,
     default_tokenizer_dir,
-    free_port,
     machine_info,
     parse_settings,
     results_dir,
@@ -60,174 +71,14 @@ from kvplane.bench.procs import (
 from kvplane.bench.replay import ReplayItem, replay
 from kvplane.bench.routers import EngineEndpoint, ModelFacts, RouterLaunch, kvplane_config
 from kvplane.bench.routing import MODEL, Progress, model_facts, start_fleet
-from kvplane.sim.profiles import PROFILES, EngineProfile
-from kvplane.sim.timing import decode_step_ms, prefill_ms
+from kvplane.local.ports import free_port
+from kvplane.sim.profiles import PROFILES
 from kvplane.workload.results import STALL_S, oracle_hit_ratio, summarize
 from kvplane.workload.traces import (
-    MOONCAKE_BLOCK,
     WORKLOAD_NAMES,
     PromptBuilder,
-    TraceRequest,
     Workload,
-    build_workload,
 )
-
-MODES = pd_report.MODES
-PREFILL_HEAVY = pd_report.PREFILL_HEAVY
-KVPLANE_MODES = ("aggregated", "disaggregated", "conditional", "conditional-flex")
-FLEX = "conditional-flex"  # every engine `both` over NIXL: the router picks the roles
-
-# Offered load per workload (x its native rate, for 8 engines): the aggregated fleet is
-# loaded (the long-prompt loads use about half its prefill capacity) but not collapsing.
-DEFAULT_RATE_SCALE = {"mooncake": 2.0, "gsp": 2.0, PREFILL_HEAVY: 1.0}
-# Requests per workload: about 15 simulated seconds of arrivals each, so that the four
-# modes of three workloads replay in about a quarter of an hour at time scale 4. The
-# first 80 Mooncake requests stop before its 120k-token prompt, which alone would hold
-# a prefill engine for 5 simulated seconds.
-DEFAULT_LIMIT = {"mooncake": 80, "gsp": 300, PREFILL_HEAVY: 120}
-
-
-# --------------------------------------------------------------------------- workload
-
-
-def prefill_heavy(
-    n: int = 120,
-    input_range: tuple[int, int] = (6144, 14336),
-    output_range: tuple[int, int] = (128, 384),
-    rate: float = 10.0,
-    seed: int = 0,
-) -> Workload:
-    """Long fresh prompts and moderate outputs at Poisson arrivals: the load under which
-    an aggregated engine's decodes keep waiting for prefill chunks. Lengths are uniform
-    in the ranges; prompts share nothing but BOS."""
-    if n < 1 or rate <= 0:
-        raise ValueError("prefill_heavy needs n >= 1 and a positive rate")
-    rng = random.Random(seed)
-    unit = MOONCAKE_BLOCK
-    next_id = 0
-    t = 0.0
-    reqs: list[TraceRequest] = []
-    for i in range(n):
-        if i:
-            t += rng.expovariate(rate)
-        length = rng.randint(*input_range)
-        per = math.ceil((length - 1) / unit)
-        segs = tuple(range(next_id, next_id + per))
-        next_id += per
-        reqs.append(TraceRequest(t, f"r{i}", length, rng.randint(*output_range), segs, unit))
-    return Workload(
-        name=PREFILL_HEAVY,
-        description=f"prefill-heavy: {n} fresh prompts of {input_range[0]}-{input_range[1]} "
-        f"tokens, outputs {output_range[0]}-{output_range[1]}, {rate:g} req/s",
-        requests=reqs,
-        segment_tokens=unit,
-    )
-
-
-def build(name: str, limit: int, rate_scale: float, trace: Path | None, seed: int = 0) -> Workload:
-    if name == PREFILL_HEAVY:
-        return prefill_heavy(n=limit, rate=10.0 * rate_scale, seed=seed)
-    return build_workload(name, trace=trace, limit=limit, start=0, rate_scale=rate_scale, seed=seed)
-
-
-# --------------------------------------------------------------------------- P:D split
-
-
-@dataclass(frozen=True, slots=True)
-class Split:
-    """How many of the fleet's engines prefill, and the demand that says so."""
-
-    prefill: int
-    decode: int
-    prefill_gpus: float  # prefill demand: GPU-seconds of prefill per second
-    decode_tokens_per_s: float
-    decode_context: float  # mean context of a decoding sequence (output-weighted)
-    decode_capacity: float  # tokens/s one decode engine sustains at its largest batch
-    prefill_util: float
-    decode_util: float
-
-    @property
-    def label(self) -> str:
-        return f"{self.prefill}:{self.decode}"
-
-    def why(self) -> str:
-        return (
-            f"P:D {self.label}: prefill needs {self.prefill_gpus:.2f} GPUs "
-            f"(utilisation {self.prefill_util:.2f} on {self.prefill}), decode "
-            f"{self.decode_tokens_per_s:.0f} tok/s at {self.decode_context:.0f} tokens of "
-            f"context, {self.decode_capacity:.0f} tok/s per engine at most "
-            f"(utilisation {self.decode_util:.2f} on {self.decode})."
-        )
-
-
-def decode_capacity(profile: EngineProfile, context: float) -> float:
-    """Tokens/s one engine decodes at the largest batch that fits its scheduler and its KV
-    cache: decode is bound by the weight and KV reads of each step, not by flops."""
-    best = 0.0
-    per_seq = max(1.0, context)
-    for b in range(1, profile.max_num_seqs + 1):
-        if b * per_seq > profile.capacity_tokens:
-            break
-        best = max(best, b * 1000.0 / decode_step_ms(profile, b, int(b * per_seq)))
-    return best
-
-
-def split_for(workload: Workload, profile: EngineProfile, engines: int, hit_ratio: float) -> Split:
-    """P:D with the lowest worse-side utilisation. Prefill demand: every prompt's
-    uncached part (``hit_ratio`` of it reused) at the profile's chunked-prefill times.
-    Decode demand: the output token rate against what one engine sustains at the mean
-    context. Prefill queues (TTFT) and decode batches (ITL) both degrade as their side
-    fills up, so neither side should be the fuller one."""
-    if engines < 2:
-        raise ValueError("a P/D split needs at least two engines")
-    reqs = workload.requests
-    span = max(workload.duration_s, 1e-9)
-    pre_s = 0.0
-    out_tokens = 0
-    ctx_weighted = 0.0
-    for r in reqs:
-        cached = int(r.input_length * hit_ratio)
-        pre_s += prefill_ms(profile, r.input_length - cached, cached) / 1000.0
-        out_tokens += r.output_tokens
-        ctx_weighted += r.output_tokens * (r.input_length + r.output_tokens / 2.0)
-    demand = pre_s / span
-    rate = out_tokens / span
-    context = ctx_weighted / out_tokens if out_tokens else 0.0
-    cap = decode_capacity(profile, context)
-    best: Split | None = None
-    for p in range(1, engines):
-        d = engines - p
-        s = Split(p, d, demand, rate, context, cap, demand / p, rate / (d * cap) if cap else 1.0)
-        if best is None or max(s.prefill_util, s.decode_util) < max(
-            best.prefill_util, best.decode_util
-        ):
-            best = s
-    assert best is not None
-    return best
-
-
-def with_prefill(split: Split, prefill: int) -> Split:
-    """The same demand on a split chosen by hand (``--prefill``)."""
-    engines = split.prefill + split.decode
-    if not 1 <= prefill < engines:
-        raise SystemExit("bench pd: --prefill must leave at least one decode engine")
-    decode = engines - prefill
-    cap = decode * split.decode_capacity
-    return replace(
-        split,
-        prefill=prefill,
-        decode=decode,
-        prefill_util=split.prefill_gpus / prefill,
-        decode_util=split.decode_tokens_per_s / cap if cap else 1.0,
-    )
-
-
-def roles_for(mode: str, engines: int, prefill: int) -> list[str]:
-    """Every engine ``both`` (aggregated, conditional-flex), else the P/D fleet's roles."""
-    if mode in ("aggregated", FLEX):
-        return ["both"] * engines
-    return ["prefill"] * prefill + ["decode"] * (engines - prefill)
-
 
 # --------------------------------------------------------------------------- routers
 
@@ -236,8 +87,6 @@ def roles_for(mode: str, engines: int, prefill: int) -> list[str]:
 # fresh next to request lifetimes. (The recorded run predates the scraper's tolerance of
 # slow scrapes, when a stalled loop could mark every backend unhealthy at once.)
 SCRAPE_INTERVAL_S = 1.0
-# conditional-flex: the largest uncached prompt a pod may prefill for itself (no gate).
-FLEX_AGGREGATE_MAX = 1 << 30
 
 
 def kvplane_pd_config(
@@ -572,18 +421,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="a small smoke run")
 
 
-def _limit(args: argparse.Namespace, workload: str) -> int:
-    if args.limit is not None:
-        return int(args.limit)
-    return DEFAULT_LIMIT.get(workload, 100)
-
-
-def _rate(args: argparse.Namespace, workload: str) -> float:
-    if args.rate_scale is not None:
-        return float(args.rate_scale)
-    return float(DEFAULT_RATE_SCALE.get(workload, 1.0) * args.engines / 8)
-
-
 def _print_row(r: dict[str, Any]) -> None:
     share = r.get("disaggregated_share")
     print(
@@ -629,7 +466,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-pd-") as tmp:
         rundir = Path(tmp)
         for wname in csv_list(args.workloads):
-            wl = build(wname, _limit(args, wname), _rate(args, wname), _trace(args))
+            wl = build(wname, limit_for(args, wname), rate_for(args, wname), trace_path(args))
             hit = oracle_hit_ratio(wl, args.block_size)
             split = split_for(wl, profile, args.engines, hit)
             if args.prefill is not None:
@@ -653,10 +490,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 runs.append(row)
                 _print_row(row)
     return _finish(args, runs, described, time.monotonic() - started)
-
-
-def _trace(args: argparse.Namespace) -> Path | None:
-    return Path(args.trace) if args.trace else None
 
 
 def _finish(

@@ -24,17 +24,17 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvplane.bench import pd_report
-from kvplane.bench.pd import (
+from kvplane.bench.pd_setup import (
     FLEX,
     FLEX_AGGREGATE_MAX,
     KVPLANE_MODES,
     PREFILL_HEAVY,
-    _limit,
-    _rate,
-    _trace,
     build,
+    limit_for,
+    rate_for,
     roles_for,
     split_for,
+    trace_path,
 )
 from kvplane.bench.procs import (
     bench_relative,
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # the generated workloads vary with the seed (prompts, order, arrivals); the
         # Mooncake trace is fixed
         for seed in seeds if wname in SEEDED else seeds[:1]:
-            wl = build(wname, _limit(args, wname), _rate(args, wname), _trace(args), seed)
+            wl = build(wname, limit_for(args, wname), rate_for(args, wname), trace_path(args), seed)
             hit = oracle_hit_ratio(wl, args.block_size)
             sized = split_for(wl, profile, args.engines, hit)
             print(f"{wname} seed {seed}: {wl.description}; sized {sized.why()}", flush=True)

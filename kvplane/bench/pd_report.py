@@ -196,7 +196,7 @@ def _mix(r: Mapping[str, Any]) -> str:
     return f"{share:.2f}"
 
 
-def _pct(x: Any) -> str:
+def _percent(x: Any) -> str:
     return "–" if x is None else f"{100.0 * float(x):.1f}%"
 
 
@@ -214,7 +214,7 @@ def table(runs: Sequence[Mapping[str, Any]]) -> str:
             f"{fmt(r['ttft_p50_ms'], 0)} / {fmt(r['ttft_p90_ms'], 0)} / "
             f"{fmt(r['ttft_p99_ms'], 0)} | {fmt(r['itl_p50_ms'], 1)} / "
             f"{fmt(r.get('itl_p99_ms'), 1)} | {fmt(r.get('token_gap_p99_ms'), 1)} | "
-            f"{_pct(r.get('stalled_token_share'))} | "
+            f"{_percent(r.get('stalled_token_share'))} | "
             f"{fmt(r['throughput_rps'], 2)} | {r['errors']} | {_mix(r)} | "
             f"{fmt(r.get('prefill_busy'), 2)} / {fmt(r.get('decode_busy'), 2)} | "
             f"{r.get('lag_resyncs', '–')} |"

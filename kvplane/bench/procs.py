@@ -11,7 +11,6 @@ import contextlib
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -61,12 +60,6 @@ def default_tokenizer_dir() -> Path:
         shutil.copyfile(src / n, tmp)
         tmp.replace(dest / n)  # atomic: a concurrent run never sees half a file
     return dest
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

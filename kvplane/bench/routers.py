@@ -18,7 +18,8 @@ from typing import Any
 
 import yaml
 
-from kvplane.bench.procs import HOST, free_port, venv_bin
+from kvplane.bench.procs import HOST, venv_bin
+from kvplane.local.ports import free_port
 from kvplane.router.config import TierCost
 from kvplane.router.policies import labelled
 

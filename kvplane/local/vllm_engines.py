@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import httpx
 if __package__ in (None, ""):  # run as a script: make `support` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvplane.local.ports import free_ports
 from kvplane.local.tiny_model import ensure_tiny_model, ensure_vllm_venv, vllm_python
 
 SERVED_MODEL_NAME = "tiny"
@@ -125,20 +125,6 @@ class VllmEngine:
         except OSError:
             return ""
         return data[-chars:].decode("utf-8", "replace")
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports that are free on all interfaces right now."""
-    socks: list[socket.socket] = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("", 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def kv_events_config(events_port: int, replay_port: int, topic: str) -> dict[str, object]:
@@ -225,7 +211,7 @@ def _launch(
     kv_cache_bytes: int,
     max_model_len: int,
 ) -> _Launch:
-    port, events_port, replay_port = free_ports(3)
+    port, events_port, replay_port = free_ports(3, host="")  # the engines bind every interface
     topic = f"kv@{name}@{SERVED_MODEL_NAME}"
     log_path = log_dir / f"{name}.log"
     cmd = engine_command(

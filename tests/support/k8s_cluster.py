@@ -20,7 +20,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -34,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kvplane.local.ports import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SETUP_SCRIPT = REPO_ROOT / "scripts" / "setup-k8s.sh"
@@ -224,15 +225,6 @@ def _http_ok(url: str, *, ctx: ssl.SSLContext | None = None, token: str | None =
             return int(resp.status) == 200
     except (urllib.error.URLError, OSError, ssl.SSLError):
         return False
-
-
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free loopback ports (all bound at once, then released)."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 def _probe(url: str, ctx: ssl.SSLContext | None) -> Callable[[], bool]:
@@ -588,7 +580,7 @@ def start_cluster(
     _make_pki(pki)
     token = secrets.token_hex(24)
     (work / "tokens.csv").write_text(f'{token},kvplane-admin,kvplane-admin,"system:masters"\n')
-    api_port, *ports = _free_ports(6)
+    api_port, *ports = free_ports(6)
     server = f"https://127.0.0.1:{api_port}"
     kubeconfig = work / "admin.kubeconfig"
     kubeconfig.write_text(

@@ -42,7 +42,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from kvplane.local.serve import free_port, serve_in_thread
+from kvplane.local.ports import free_port
+from kvplane.local.serve import serve_in_thread
 
 WAIT_S = 10.0  # a decode side gives up on KV that never arrives (bounded wait)
 

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from kvplane.local.serve import free_port
+from kvplane.local.ports import free_port
 
 
 @dataclass

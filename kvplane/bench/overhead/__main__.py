@@ -1,0 +1,5 @@
+import sys
+
+from kvplane.bench.overhead.run import main
+
+sys.exit(main())
