@@ -3,7 +3,7 @@
 #   docker build -t ghcr.io/kvplane/kvplane:0.1.0 .
 #   docker run ghcr.io/kvplane/kvplane:0.1.0 operator | router --config ... | indexer --config ...
 # The runtime is the kvplane wheel with its runtime dependencies and the "operator" extra
-# (kopf, kubernetes); never the dev extra. tests/test_chart.py checks these invariants.
+# (kopf); never the dev extra. tests/test_chart.py checks these invariants.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 

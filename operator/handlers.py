@@ -13,7 +13,7 @@ from kvplane.operator import api
 from kvplane.operator.reconcile import POOL_LABEL, Reconciler
 from kvplane.operator.settings import MANAGED_BY, OperatorSettings
 from kvplane.router.index.redis import forget_generation
-from kvplane.router.kube import KubeClient, load_auth, object_path
+from kvplane.router.kube import Kube, credentials
 
 log = logging.getLogger("kvplane.operator")
 
@@ -24,6 +24,23 @@ _settings = OperatorSettings.from_env()
 def _reconciler(kw: dict[str, Any]) -> Reconciler:
     reconciler: Reconciler = kw["memo"].reconciler
     return reconciler
+
+
+@kopf.on.login()
+async def login(*_: Any, **__: Any) -> kopf.ConnectionInfo:
+    """kopf connects with the credentials ``kvplane.router.kube`` loads (in-cluster
+    with the token as rotated now, or any kubeconfig user: token, certificate, exec,
+    OIDC); kopf logs in again when the API server rejects them."""
+    c = await credentials()
+    return kopf.ConnectionInfo(
+        server=c.server,
+        ca_path=c.ca_path,
+        insecure=c.insecure,
+        scheme="Bearer" if c.token else None,
+        token=c.token,
+        certificate_path=c.certificate_path,
+        private_key_path=c.private_key_path,
+    )
 
 
 @kopf.on.startup()
@@ -38,7 +55,7 @@ async def startup(*_: Any, **kw: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    memo.reconciler = Reconciler(KubeClient(load_auth()), _settings)
+    memo.reconciler = Reconciler(await Kube.connect(), _settings)
     memo.resync = asyncio.create_task(_resync_loop(memo.reconciler), name="kvplane-resync")
 
 
@@ -50,14 +67,8 @@ async def _resync_loop(reconciler: Reconciler) -> None:
     while True:
         await asyncio.sleep(_settings.resync_s)
         for ns in namespaces:
-            path = (
-                object_path("InferencePool", ns)
-                if ns
-                else f"/apis/{GROUP}/{VERSION}/inferencepools"
-            )
             try:
-                listed = await reconciler.client.list(path, {})
-                for item in listed.get("items", []):
+                for item in await reconciler.client.list("InferencePool", ns):
                     meta = item["metadata"]
                     await reconciler.trigger(meta["namespace"], meta["name"])
             except Exception:  # keep repairing the others; the next round retries
@@ -67,7 +78,7 @@ async def _resync_loop(reconciler: Reconciler) -> None:
 @kopf.on.cleanup()
 async def cleanup(*_: Any, **kw: Any) -> None:
     kw["memo"].resync.cancel()
-    await _reconciler(kw).client.aclose()
+    await _reconciler(kw).client.close()
 
 
 @kopf.on.create(GROUP, VERSION, "inferencepools")
@@ -89,8 +100,7 @@ async def engine_pool_event(*_: Any, **kw: Any) -> None:
 async def tier_event(*_: Any, **kw: Any) -> None:
     reconciler = _reconciler(kw)
     namespace = kw["namespace"]
-    listed = await reconciler.client.list(object_path("InferencePool", namespace), {})
-    for item in listed.get("items", []):
+    for item in await reconciler.client.list("InferencePool", namespace):
         refs = item.get("spec", {}).get("kvCacheTiers", [])
         if any(r.get("name") == kw["name"] for r in refs):
             await reconciler.trigger(namespace, item["metadata"]["name"])
@@ -119,9 +129,7 @@ async def forget_external_residency(*_: Any, **kw: Any) -> None:
     password = None
     ref = external.get("passwordSecretRef")
     if ref:
-        secret = await _reconciler(kw).client.get(
-            object_path("Secret", kw["namespace"], ref["name"])
-        )
+        secret = await _reconciler(kw).client.get("Secret", kw["namespace"], ref["name"])
         data = ((secret or {}).get("data") or {}).get(ref["key"])
         password = base64.b64decode(data).decode() if data else None
     removed = await forget_generation(external["url"], tag, password)

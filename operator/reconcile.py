@@ -13,12 +13,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from kvplane.operator import api
 from kvplane.operator.conditions import Workload, pool_conditions, workload_of
 from kvplane.operator.desired import EnginePool, desired_objects
 from kvplane.operator.settings import FIELD_MANAGER, MANAGED_BY, OperatorSettings
-from kvplane.router.kube import KubeClient, object_path
+from kvplane.router.kube import Kube, api_error_status
 from pydantic import ValidationError
 
 log = logging.getLogger("kvplane.operator")
@@ -49,15 +48,14 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def gather(client: KubeClient, namespace: str, name: str) -> Inputs | None:
+async def gather(client: Kube, namespace: str, name: str) -> Inputs | None:
     """The InferencePool and everything it is made of; None if it is gone."""
-    ipool = await client.get(object_path("InferencePool", namespace, name))
+    ipool = await client.get("InferencePool", namespace, name)
     if ipool is None or ipool["metadata"].get("deletionTimestamp"):
         return None
     inputs = Inputs(ipool, api.InferencePoolSpec.model_validate(ipool["spec"]))
     for kind, role in (("PrefillPool", "prefill"), ("DecodePool", "decode")):
-        listed = await client.list(object_path(kind, namespace), {})
-        for item in listed.get("items", []):
+        for item in await client.list(kind, namespace):
             try:
                 spec = api.EnginePoolSpec.model_validate(item["spec"])
             except ValidationError as exc:
@@ -80,7 +78,7 @@ async def gather(client: KubeClient, namespace: str, name: str) -> Inputs | None
     if sum(p.role == "prefill" for p in inputs.pools) > 1:
         inputs.problems.append("more than one PrefillPool references this pool")
     for ref in inputs.spec.kv_cache_tiers:
-        tier = await client.get(object_path("KVCacheTier", namespace, ref.name))
+        tier = await client.get("KVCacheTier", namespace, ref.name)
         if tier is None:
             inputs.problems.append(f"KVCacheTier {ref.name} not found")
         else:
@@ -101,48 +99,42 @@ def _owner(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _apply_all(
-    client: KubeClient, namespace: str, inputs: Inputs, desired: list[dict[str, Any]]
+    client: Kube, namespace: str, inputs: Inputs, desired: list[dict[str, Any]]
 ) -> None:
     owner = _owner(inputs.ipool)
     for obj in desired:
         obj["metadata"]["namespace"] = namespace
         obj["metadata"]["ownerReferences"] = [owner]
-        path = object_path(obj["kind"], namespace, obj["metadata"]["name"])
-        await client.apply(path, obj, FIELD_MANAGER)
+        await client.apply(obj, FIELD_MANAGER)
 
 
-async def _prune(
-    client: KubeClient, namespace: str, name: str, desired: list[dict[str, Any]]
-) -> None:
+async def _prune(client: Kube, namespace: str, name: str, desired: list[dict[str, Any]]) -> None:
     """Delete what this pool created earlier and no longer wants (a removed tier's store)."""
     keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
     selector = f"{POOL_LABEL}={name},app.kubernetes.io/managed-by={MANAGED_BY}"
     for kind in PRUNABLE:
-        listed = await client.list(object_path(kind, namespace), {"labelSelector": selector})
-        for item in listed.get("items", []):
+        for item in await client.list(kind, namespace, selector):
             if (kind, item["metadata"]["name"]) not in keep:
                 log.info("pruning %s %s/%s", kind, namespace, item["metadata"]["name"])
-                await client.delete(object_path(kind, namespace, item["metadata"]["name"]))
+                await client.delete(kind, namespace, item["metadata"]["name"])
 
 
 async def _workloads(
-    client: KubeClient, namespace: str, desired: list[dict[str, Any]]
+    client: Kube, namespace: str, desired: list[dict[str, Any]]
 ) -> dict[str, Workload]:
     out = {}
     for obj in desired:
         if obj["kind"] != "Deployment":
             continue
         name = obj["metadata"]["name"]
-        live = await client.get(object_path("Deployment", namespace, name))
+        live = await client.get("Deployment", namespace, name)
         # an autoscaled Deployment's size is whatever its HPA last chose
         wanted = obj["spec"].get("replicas", ((live or {}).get("spec") or {}).get("replicas", 1))
         out[name] = workload_of(live, name, int(wanted))
     return out
 
 
-async def reconcile(
-    client: KubeClient, settings: OperatorSettings, namespace: str, name: str
-) -> None:
+async def reconcile(client: Kube, settings: OperatorSettings, namespace: str, name: str) -> None:
     inputs = await gather(client, namespace, name)
     if inputs is None:
         return
@@ -199,15 +191,15 @@ async def reconcile(
                 now,
             ),
         }
-        await client.patch_status(object_path(kind, namespace, pool.name), own_status)
-    await client.patch_status(object_path("InferencePool", namespace, name), status)
+        await client.patch_status(kind, namespace, pool.name, own_status)
+    await client.patch_status("InferencePool", namespace, name, status)
 
 
 class Reconciler:
     """Serialises and coalesces reconciles per pool: a burst of triggers while one
     runs results in exactly one more run."""
 
-    def __init__(self, client: KubeClient, settings: OperatorSettings) -> None:
+    def __init__(self, client: Kube, settings: OperatorSettings) -> None:
         self.client = client
         self.settings = settings
         self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
@@ -228,9 +220,9 @@ class Reconciler:
                 self._dirty.discard(key)
                 try:
                     await reconcile(self.client, self.settings, *key)
-                except httpx.HTTPStatusError as exc:
-                    if exc.response.status_code != 409:  # a conflict resolves on the next run
-                        log.error("reconcile %s/%s: %s %s", *key, exc, exc.response.text[:500])
+                except Exception as exc:
+                    if api_error_status(exc) != 409:  # a conflict resolves on the next run
+                        log.error("reconcile %s/%s: %s", *key, exc)
                         raise
                 if key not in self._dirty:
                     return

@@ -72,9 +72,8 @@ def make_discovery(config: RouterConfig) -> Discovery:
     if config.discovery is None:
         return StaticDiscovery(config.backends)
     from kvplane.router.discovery_k8s import KubernetesDiscovery
-    from kvplane.router.kube import KubeClient, load_auth
 
-    return KubernetesDiscovery(KubeClient(load_auth()), config.discovery)
+    return KubernetesDiscovery(config.discovery)
 
 
 @dataclass

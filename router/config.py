@@ -68,6 +68,11 @@ class KubernetesDiscoverySpec(_Strict):
     kv_events_port: Annotated[int, Field(gt=0, lt=65536)] | None = 5557
     replay_port: Annotated[int, Field(gt=0, lt=65536)] | None = 5558
     topic: str = ""
+    watch_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=300.0,
+        description="the pod watch reconnects at least this often, from its last "
+        "resourceVersion (no re-list), so credentials are re-checked regularly",
+    )
 
 
 class TierCost(_Strict):

@@ -2,7 +2,9 @@
 
 A pod is a backend while it is Running, Ready, has an IP and is not being
 deleted; scale-up, scale-down, readiness flips and restarts all arrive as watch
-events. A watch that expires (410 Gone) or breaks is re-listed.
+events. The watch resumes from its last resourceVersion when the server ends it
+(``kubernetes_asyncio``'s ``Watch``); only a version that expired (410 Gone) or a
+broken connection costs a re-list.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import watch
+from kubernetes_asyncio.client.exceptions import ApiException
 from kvplane.router.config import Backend, BackendRole, KubernetesDiscoverySpec
-from kvplane.router.kube import KubeClient
+from kvplane.router.kube import api_client
 
 log = logging.getLogger("kvplane.router.discovery")
 
@@ -55,46 +60,65 @@ def pod_backend(pod: dict[str, Any], spec: KubernetesDiscoverySpec) -> Backend |
 
 
 class KubernetesDiscovery:
-    def __init__(self, client: KubeClient, spec: KubernetesDiscoverySpec) -> None:
-        self._client = client
+    """``kubeconfig``: None for in-cluster credentials (or ``$KUBECONFIG``)."""
+
+    def __init__(self, spec: KubernetesDiscoverySpec, kubeconfig: str | None = None) -> None:
         self._spec = spec
-        self._path = f"/api/v1/namespaces/{spec.namespace}/pods"
-        self._params = {"labelSelector": spec.selector}
+        self._kubeconfig = kubeconfig
+        self.lists = 0  # full lists made (once, plus one per expired version or broken watch)
 
     def _backends(self, pods: dict[str, dict[str, Any]]) -> list[Backend]:
         out = [pod_backend(p, self._spec) for p in pods.values()]
         return sorted((b for b in out if b is not None), key=lambda b: b.name)
 
+    async def _list(self, api: k8s.ApiClient) -> tuple[dict[str, dict[str, Any]], str]:
+        self.lists += 1
+        listed = await k8s.CoreV1Api(api).list_namespaced_pod(
+            self._spec.namespace, label_selector=self._spec.selector
+        )
+        items = api.sanitize_for_serialization(listed.items)
+        return {p["metadata"]["name"]: p for p in items}, listed.metadata.resource_version
+
     async def watch(self) -> AsyncIterator[list[Backend]]:
+        async with await api_client(self._kubeconfig) as api:
+            async for backends in self._follow(api):
+                yield backends
+
+    async def _follow(self, api: k8s.ApiClient) -> AsyncIterator[list[Backend]]:
+        core = k8s.CoreV1Api(api)
         backoff = 0.5
         last: list[Backend] | None = None
         while True:
             try:
-                listed = await self._client.list(self._path, self._params)
-                pods = {p["metadata"]["name"]: p for p in listed.get("items", [])}
-                version = listed["metadata"]["resourceVersion"]
+                pods, version = await self._list(api)
                 current = self._backends(pods)
                 if current != last:
                     last = current
                     yield current
-                params = {**self._params, "resourceVersion": version}
-                async for event in self._client.watch(self._path, params):
-                    kind, obj = event.get("type"), event.get("object", {})
-                    if kind == "ERROR":
-                        break  # e.g. 410 Gone: the version expired; re-list
-                    if kind == "BOOKMARK":
-                        continue
-                    name = obj["metadata"]["name"]
-                    if kind == "DELETED":
-                        pods.pop(name, None)
-                    else:
-                        pods[name] = obj
-                    current = self._backends(pods)
-                    if current != last:
-                        last = current
-                        yield current
+                async with watch.Watch() as w:
+                    stream = w.stream(
+                        core.list_namespaced_pod,
+                        self._spec.namespace,
+                        label_selector=self._spec.selector,
+                        resource_version=version,
+                        allow_watch_bookmarks=True,
+                        _request_timeout=self._spec.watch_timeout_s,
+                    )
+                    async for event in stream:
+                        kind, obj = event["type"], event["raw_object"]
+                        if kind == "BOOKMARK":
+                            continue
+                        name = obj["metadata"]["name"]
+                        if kind == "DELETED":
+                            pods.pop(name, None)
+                        else:
+                            pods[name] = obj
+                        current = self._backends(pods)
+                        if current != last:
+                            last = current
+                            yield current
                 backoff = 0.5
-            except (httpx.HTTPError, KeyError, ValueError) as exc:
+            except (TimeoutError, ApiException, aiohttp.ClientError, KeyError) as exc:
                 log.warning("pod discovery failed (%s); retrying in %.1fs", exc, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)

@@ -4,8 +4,11 @@ vLLM 0.33 names (labels ``model_name``, ``engine`` per DP rank; summed here):
 ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
 ``vllm:kv_cache_usage_perc`` (0..1, the max over ranks), and the prefix cache
 counters. SGLang's equivalents are read too, so one router serves both.
-A hand parser: the router scrapes every pod every second and only needs a
-handful of unlabelled-ish gauges, not a full exposition model.
+A hand parser of the text format, because the router scrapes every pod every second on
+its event loop: prometheus_client's parser builds every sample of every family and costs
+tens of times more per vLLM page, a core's worth over a large fleet (measured:
+bench/RESULTS.md, "Engine metrics parsing"). The tests check it against that parser on
+real vLLM pages.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ def parse_metrics(text: str) -> EngineStats:
         if not line or line[0] == "#":
             continue
         brace = line.find("{")
-        space = line.rfind(" ")
         name = line[: brace if brace != -1 else line.find(" ")]
         if name in _SUM or name in _MAX:
+            # "name{labels} value [timestamp]"
+            rest = line[line.rfind("}") + 1 :] if brace != -1 else line[len(name) :]
             try:
-                value = float(line[space + 1 :])
-            except ValueError:
+                value = float(rest.split()[0])
+            except (ValueError, IndexError):
                 continue
             if name in _SUM:
                 field = _SUM[name]

@@ -1,175 +1,208 @@
-"""A minimal async Kubernetes API client (httpx): just what discovery needs.
+"""Kubernetes API access for pod discovery, the index GC and the operator.
 
-The router only lists and watches pods, so it talks to the API server directly
-instead of carrying a full client: in-cluster service-account credentials, or a
-kubeconfig (token or client certificate) for running outside the cluster.
+Built on ``kubernetes_asyncio``, the async port of the official Python client: it
+re-reads the in-cluster projected service-account token as the kubelet rotates it,
+takes kubeconfigs with token, client-certificate, exec-plugin or OIDC users, resumes
+watches from their last resourceVersion (``watch.Watch``), and applies arbitrary
+manifests through its dynamic client. kvplane works on plain dicts (the operator
+renders them), so this module only maps kinds to the dynamic client's resources.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 import os
-import ssl
+import shutil
 import tempfile
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, cast
 
-import httpx
-import yaml
+from kubernetes_asyncio import client as k8s
+from kubernetes_asyncio import config as kconfig
+from kubernetes_asyncio.dynamic import DynamicClient
+from kubernetes_asyncio.dynamic.resource import Resource
 
-SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+from kvplane.types import Json
 
+SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # a pod's service account
 
-@dataclass(frozen=True)
-class KubeAuth:
-    server: str
-    ssl: ssl.SSLContext | bool
-    token: str | None = None
-
-
-def _data_file(data_b64: str, suffix: str) -> str:
-    f = tempfile.NamedTemporaryFile("wb", suffix=suffix, delete=False)  # noqa: SIM115
-    with f:
-        f.write(base64.b64decode(data_b64))
-    return f.name
-
-
-def load_auth(kubeconfig: str | None = None) -> KubeAuth:
-    """In-cluster credentials when running in a pod, else the current kubeconfig context."""
-    if (
-        kubeconfig is None
-        and (SA_DIR / "token").is_file()
-        and "KUBERNETES_SERVICE_HOST" in os.environ
-    ):
-        host = os.environ["KUBERNETES_SERVICE_HOST"]
-        port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-        ctx = ssl.create_default_context(cafile=str(SA_DIR / "ca.crt"))
-        return KubeAuth(f"https://{host}:{port}", ctx, (SA_DIR / "token").read_text().strip())
-    path = kubeconfig or os.environ.get("KUBECONFIG") or str(Path.home() / ".kube" / "config")
-    cfg: dict[str, Any] = yaml.safe_load(Path(path).read_text())
-    ctx_name = cfg.get("current-context")
-    context = next(c["context"] for c in cfg["contexts"] if c["name"] == ctx_name)
-    cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == context["cluster"])
-    user = next(u["user"] for u in cfg["users"] if u["name"] == context["user"])
-    verify: ssl.SSLContext | bool = True
-    if cluster.get("insecure-skip-tls-verify"):
-        verify = False
-    else:
-        ca = cluster.get("certificate-authority") or (
-            _data_file(cluster["certificate-authority-data"], ".crt")
-            if "certificate-authority-data" in cluster
-            else None
-        )
-        verify = ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
-    cert = user.get("client-certificate") or (
-        _data_file(user["client-certificate-data"], ".crt")
-        if "client-certificate-data" in user
-        else None
-    )
-    key = user.get("client-key") or (
-        _data_file(user["client-key-data"], ".key") if "client-key-data" in user else None
-    )
-    if cert and key:
-        if not isinstance(verify, ssl.SSLContext):
-            ctx = ssl.create_default_context()
-            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-            verify = ctx
-        verify.load_cert_chain(cert, key)
-    return KubeAuth(cluster["server"], verify, user.get("token"))
-
-
-class KubeClient:
-    def __init__(self, auth: KubeAuth) -> None:
-        headers = {"Authorization": f"Bearer {auth.token}"} if auth.token else {}
-        self._http = httpx.AsyncClient(
-            base_url=auth.server, verify=auth.ssl, headers=headers, timeout=httpx.Timeout(30.0)
-        )
-
-    async def list(self, path: str, params: dict[str, str]) -> dict[str, Any]:
-        r = await self._http.get(path, params=params)
-        r.raise_for_status()
-        body: dict[str, Any] = r.json()
-        return body
-
-    async def watch(
-        self, path: str, params: dict[str, str], timeout_s: int = 300
-    ) -> AsyncIterator[dict[str, Any]]:
-        """Watch events (``{"type", "object"}``) until the server ends the stream."""
-        query = {
-            **params,
-            "watch": "1",
-            "timeoutSeconds": str(timeout_s),
-            "allowWatchBookmarks": "true",
-        }
-        timeout = httpx.Timeout(timeout_s + 30.0, connect=10.0)
-        async with self._http.stream("GET", path, params=query, timeout=timeout) as r:
-            r.raise_for_status()
-            async for line in r.aiter_lines():
-                if line.strip():
-                    yield json.loads(line)
-
-    async def get(self, path: str) -> dict[str, Any] | None:
-        r = await self._http.get(path)
-        if r.status_code == 404:
-            return None
-        r.raise_for_status()
-        body: dict[str, Any] = r.json()
-        return body
-
-    async def apply(self, path: str, manifest: dict[str, Any], manager: str) -> dict[str, Any]:
-        """Server-side apply: the manager owns exactly the fields it sends."""
-        r = await self._http.patch(
-            path,
-            params={"fieldManager": manager, "force": "true"},
-            content=json.dumps(manifest),
-            headers={"Content-Type": "application/apply-patch+yaml"},
-        )
-        r.raise_for_status()
-        body: dict[str, Any] = r.json()
-        return body
-
-    async def patch_status(self, path: str, status: dict[str, Any]) -> None:
-        """Merge-patch the status subresource."""
-        r = await self._http.patch(
-            f"{path}/status",
-            content=json.dumps({"status": status}),
-            headers={"Content-Type": "application/merge-patch+json"},
-        )
-        r.raise_for_status()
-
-    async def delete(self, path: str) -> bool:
-        r = await self._http.delete(path, params={"propagationPolicy": "Background"})
-        if r.status_code == 404:
-            return False
-        r.raise_for_status()
-        return True
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-
-# kind -> (API prefix, plural) for the objects the operator renders
-RESOURCES: dict[str, tuple[str, str]] = {
-    "Deployment": ("/apis/apps/v1", "deployments"),
-    "Service": ("/api/v1", "services"),
-    "ConfigMap": ("/api/v1", "configmaps"),
-    "Secret": ("/api/v1", "secrets"),
-    "ServiceAccount": ("/api/v1", "serviceaccounts"),
-    "Pod": ("/api/v1", "pods"),
-    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
-    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
-    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
-    "InferencePool": ("/apis/kvplane.io/v1alpha1", "inferencepools"),
-    "PrefillPool": ("/apis/kvplane.io/v1alpha1", "prefillpools"),
-    "DecodePool": ("/apis/kvplane.io/v1alpha1", "decodepools"),
-    "KVCacheTier": ("/apis/kvplane.io/v1alpha1", "kvcachetiers"),
+# kind -> apiVersion, for the objects kvplane reads and renders
+API_VERSIONS: Final[dict[str, str]] = {
+    "Deployment": "apps/v1",
+    "Service": "v1",
+    "ConfigMap": "v1",
+    "Secret": "v1",
+    "ServiceAccount": "v1",
+    "Pod": "v1",
+    "HorizontalPodAutoscaler": "autoscaling/v2",
+    "Role": "rbac.authorization.k8s.io/v1",
+    "RoleBinding": "rbac.authorization.k8s.io/v1",
+    "InferencePool": "kvplane.io/v1alpha1",
+    "PrefillPool": "kvplane.io/v1alpha1",
+    "DecodePool": "kvplane.io/v1alpha1",
+    "KVCacheTier": "kvplane.io/v1alpha1",
 }
 
 
-def object_path(kind: str, namespace: str, name: str | None = None) -> str:
-    prefix, plural = RESOURCES[kind]
-    base = f"{prefix}/namespaces/{namespace}/{plural}"
-    return f"{base}/{name}" if name else base
+def in_cluster() -> bool:
+    return (SA_DIR / "token").is_file() and "KUBERNETES_SERVICE_HOST" in os.environ
+
+
+async def api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
+    """In-cluster credentials when running in a pod (the token re-read as it rotates),
+    else the kubeconfig's current context (``$KUBECONFIG`` or ``~/.kube/config``)."""
+    cfg = k8s.Configuration()
+    if kubeconfig is None and in_cluster():
+        # untyped in the library
+        kconfig.load_incluster_config(  # type: ignore[no-untyped-call]
+            client_configuration=cfg,
+            try_refresh_token=True,
+            token_filename=str(SA_DIR / "token"),
+            cert_filename=str(SA_DIR / "ca.crt"),
+        )
+    else:
+        # $KUBECONFIG read now (the library reads it once, at import)
+        path = kubeconfig or os.environ.get("KUBECONFIG")
+        await kconfig.load_kube_config(config_file=path, client_configuration=cfg)
+    return k8s.ApiClient(cfg)
+
+
+class Kube:
+    """The calls kvplane makes, on plain dicts, through one ``ApiClient``."""
+
+    def __init__(self, api: k8s.ApiClient) -> None:
+        self.api = api
+        self._dynamic: DynamicClient | None = None
+        self._resources: dict[str, Resource] = {}
+        # API discovery is cached per client, not in a file another cluster may have left
+        self._cache_dir = tempfile.mkdtemp(prefix="kvplane-discovery-")
+
+    @classmethod
+    async def connect(cls, kubeconfig: str | None = None) -> Kube:
+        return cls(await api_client(kubeconfig))
+
+    async def _resource(self, kind: str) -> tuple[DynamicClient, Resource]:
+        if self._dynamic is None:
+            cache = os.path.join(self._cache_dir, "discovery.json")
+            self._dynamic = await DynamicClient(self.api, cache_file=cache)
+        res = self._resources.get(kind)
+        if res is None:
+            res = self._resources[kind] = await self._dynamic.resources.get(
+                api_version=API_VERSIONS[kind], kind=kind
+            )
+        return self._dynamic, res
+
+    async def get(self, kind: str, namespace: str, name: str) -> Json | None:
+        dyn, res = await self._resource(kind)
+        resp = await dyn.get(res, name=name, namespace=namespace, serialize=False)
+        return await _body(resp, missing_ok=True)
+
+    async def list(
+        self, kind: str, namespace: str | None = None, label_selector: str | None = None
+    ) -> list[Json]:
+        """Objects of ``kind`` in ``namespace`` (every namespace when None)."""
+        dyn, res = await self._resource(kind)
+        resp = await dyn.get(
+            res, namespace=namespace, label_selector=label_selector, serialize=False
+        )
+        body = await _body(resp)
+        items: list[Json] = (body or {}).get("items") or []
+        return items
+
+    async def apply(self, obj: Json, manager: str) -> Json:
+        """Server-side apply: the manager owns exactly the fields it sends."""
+        dyn, res = await self._resource(obj["kind"])
+        meta = obj["metadata"]
+        resp = await dyn.server_side_apply(
+            res,
+            body=obj,
+            name=meta["name"],
+            namespace=meta.get("namespace"),
+            field_manager=manager,
+            force_conflicts=True,
+            serialize=False,
+        )
+        return await _body(resp) or {}
+
+    async def patch_status(self, kind: str, namespace: str, name: str, status: Json) -> None:
+        """Merge-patch the status subresource."""
+        dyn, res = await self._resource(kind)
+        resp = await dyn.patch(
+            cast(Resource, res.status),  # the status subresource (attribute of the resource)
+            body={"metadata": {"name": name}, "status": status},
+            name=name,
+            namespace=namespace,
+            content_type="application/merge-patch+json",
+            serialize=False,
+        )
+        await _body(resp)
+
+    async def delete(self, kind: str, namespace: str, name: str) -> bool:
+        dyn, res = await self._resource(kind)
+        resp = await dyn.delete(
+            res,
+            name=name,
+            namespace=namespace,
+            propagation_policy="Background",
+            serialize=False,
+        )
+        return await _body(resp, missing_ok=True) is not None
+
+    async def close(self) -> None:
+        await self.api.close()
+        shutil.rmtree(self._cache_dir, ignore_errors=True)
+
+
+class KubeAPIError(Exception):
+    """The API server answered with an error status."""
+
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"HTTP {status}: {body[:500]}")
+        self.status = status
+
+
+async def _body(resp: Any, missing_ok: bool = False) -> Json | None:
+    """A raw response's JSON body; None for a 404 when ``missing_ok``. (The dynamic
+    client returns unchecked responses when it does not deserialize them.)"""
+    status = int(resp.status)
+    if status == 404 and missing_ok:
+        resp.release()
+        return None
+    if not 200 <= status < 300:
+        raise KubeAPIError(status, await resp.text())
+    body: Json = await resp.json()
+    return body
+
+
+def api_error_status(exc: BaseException) -> int | None:
+    """The HTTP status of an API error (None for anything else)."""
+    status: Any = getattr(exc, "status", None)
+    return status if isinstance(status, int) else None
+
+
+async def credentials(kubeconfig: str | None = None) -> Credentials:
+    """The current credentials, for clients that connect on their own (kopf): read
+    anew on every call, so a rotated token or an exec plugin's new one is picked up."""
+    async with await api_client(kubeconfig) as api:
+        cfg = api.configuration
+        if cfg.refresh_api_key_hook is not None:  # in-cluster: the token file as of now
+            cfg.refresh_api_key_hook(cfg)
+        bearer = str(cfg.api_key.get("BearerToken") or cfg.api_key.get("authorization") or "")
+        return Credentials(
+            server=cfg.host,
+            ca_path=cfg.ssl_ca_cert,
+            insecure=not cfg.verify_ssl,
+            token=bearer.removeprefix("Bearer ").strip() or None,
+            certificate_path=cfg.cert_file,
+            private_key_path=cfg.key_file,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    server: str
+    ca_path: str | None
+    insecure: bool
+    token: str | None
+    certificate_path: str | None
+    private_key_path: str | None

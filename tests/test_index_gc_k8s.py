@@ -11,17 +11,15 @@ kwok pods get 10.244.x addresses that must never be dialled from the host.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from typing import Any
 
 import pytest
 import redis
 from kvplane.router.config import KubernetesDiscoverySpec
 from kvplane.router.discovery_k8s import KubernetesDiscovery
 from kvplane.router.index.redis import RedisIndex
-from kvplane.router.kube import KubeClient, load_auth
 from kvplane.router.kvevents.service import Indexer
+from support.fake_kubelet import fake_kubelet_node, ready_pod
 from support.k8s_cluster import K8sCluster
 from support.redis_server import RedisServer
 from support.vllm_fixtures import EngineFactory
@@ -33,49 +31,8 @@ pytestmark = [pytest.mark.k8s, pytest.mark.vllm]
 GEN = "gc-test"
 
 
-def fake_kubelet_node(cluster: K8sCluster, name: str) -> None:
-    node = {
-        "apiVersion": "v1",
-        "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
-    }
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(node))
-
-
 def engine_pod(cluster: K8sCluster, ns: str, name: str, node: str) -> None:
-    pod: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": name,
-            "namespace": ns,
-            "labels": {"kvplane.io/pool": "gc", "kvplane.io/role": "decode"},
-        },
-        "spec": {"nodeName": node, "containers": [{"name": "engine", "image": "vllm"}]},
-    }
-    cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    status = {
-        "status": {
-            "phase": "Running",
-            "podIP": "127.0.0.1",
-            "podIPs": [{"ip": "127.0.0.1"}],
-            "hostIP": "127.0.0.1",
-            "startTime": now,
-            "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
-        }
-    }
-    cluster.kubectl(
-        "patch",
-        "pod",
-        name,
-        "-n",
-        ns,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps(status),
-    )
+    ready_pod(cluster, ns, name, node, {"kvplane.io/pool": "gc", "kvplane.io/role": "decode"})
 
 
 def pod_sets(r: redis.Redis, pod: str) -> list[bytes]:
@@ -116,11 +73,10 @@ def _scenario(
     async def scenario() -> None:
         index = RedisIndex(redis_server.url, GEN, timeout_s=2.0)
         indexer = Indexer(index, generation=GEN, block_size=32)
-        client = KubeClient(load_auth(str(c.kubeconfig)))
         await indexer.start()
 
         async def follow() -> None:
-            async for backends in KubernetesDiscovery(client, spec).watch():
+            async for backends in KubernetesDiscovery(spec, str(c.kubeconfig)).watch():
                 await indexer.set_backends(backends)
 
         follower = asyncio.create_task(follow())
@@ -154,6 +110,5 @@ def _scenario(
             follower.cancel()
             await indexer.stop()
             await index.close()
-            await client.aclose()
 
     asyncio.run(scenario())

@@ -19,6 +19,7 @@ import yaml
 from kvplane.router.config import RouterConfig
 from kvplane.router.engine_stats import parse_metrics
 from kvplane.router.tokens import ChatOptions, PromptTokenizer, prompt_source
+from prometheus_client.parser import text_string_to_metric_families
 from support.redis_server import RedisServer
 from support.router_server import RunningRouter, serve_router, wait_resident
 from support.vllm_fixtures import EngineFactory
@@ -94,6 +95,30 @@ def cost_router(
     )
     with serve_router(config, embedded_indexer=True) as r:
         yield r
+
+
+def test_engine_stats_agree_with_prometheus_clients_parser(
+    vllm_engines: list[VllmEngine],
+) -> None:
+    """The router's own reader of /metrics gives what the reference parser gives."""
+    url = vllm_engines[0].url
+    for _ in range(2):  # a prefix cache hit to count
+        body = {"model": "tiny", "prompt": "parse the metrics " * 20, "max_tokens": 1}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=120).raise_for_status()
+    text = httpx.get(f"{url}/metrics").text
+    want: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            want[sample.name] = want.get(sample.name, 0.0) + sample.value
+    got = parse_metrics(text)
+    assert got.waiting == want["vllm:num_requests_waiting"]
+    assert got.running == want["vllm:num_requests_running"]
+    assert got.kv_usage == want["vllm:kv_cache_usage_perc"]
+    assert got.prefix_hits == want["vllm:prefix_cache_hits_total"] > 0
+    assert got.prefix_queries == want["vllm:prefix_cache_queries_total"] > 0
+    # a sample with a timestamp after its value reads as its value
+    stamped = text + "sglang:num_queue_reqs 7 1700000000000\n"
+    assert parse_metrics(stamped).waiting == got.waiting + 7
 
 
 def test_tokenization_matches_vllm_tokenize(

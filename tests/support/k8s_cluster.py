@@ -336,11 +336,10 @@ class K8sCluster:
 
     @contextlib.contextmanager
     def activated(self, kubeconfig: Path | None = None) -> Iterator[Path]:
-        """Point in-process clients (kopf, the ``kubernetes`` package) at this cluster.
-
-        Sets ``KUBECONFIG`` and, because the ``kubernetes`` package reads KUBECONFIG once
-        at import time, also its ``KUBE_CONFIG_DEFAULT_LOCATION``; both are restored.
-        """
+        """Point in-process clients (kopf, ``kvplane.router.kube``) at this cluster:
+        ``KUBECONFIG`` for the duration, then restored. Where the sync ``kubernetes``
+        package is installed (kopf then logs in through it), its
+        ``KUBE_CONFIG_DEFAULT_LOCATION`` too: it reads KUBECONFIG once, at import."""
         path = kubeconfig or self.kubeconfig
         old_env = os.environ.get("KUBECONFIG")
         kube_config: Any = sys.modules.get("kubernetes.config.kube_config")
