@@ -18,6 +18,7 @@ import aiohttp
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import watch
 from kubernetes_asyncio.client.exceptions import ApiException
+from kvplane.router.backoff import Backoff
 from kvplane.router.config import Backend, BackendRole, KubernetesDiscoverySpec
 from kvplane.router.kube import api_client
 
@@ -86,7 +87,7 @@ class KubernetesDiscovery:
 
     async def _follow(self, api: k8s.ApiClient) -> AsyncIterator[list[Backend]]:
         core = k8s.CoreV1Api(api)
-        backoff = 0.5
+        backoff = Backoff(0.5, 10.0)
         last: list[Backend] | None = None
         while True:
             try:
@@ -117,8 +118,8 @@ class KubernetesDiscovery:
                         if current != last:
                             last = current
                             yield current
-                backoff = 0.5
+                backoff.reset()
             except (TimeoutError, ApiException, aiohttp.ClientError, KeyError) as exc:
-                log.warning("pod discovery failed (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                delay = backoff.next()
+                log.warning("pod discovery failed (%s); retrying in %.1fs", exc, delay)
+                await asyncio.sleep(delay)

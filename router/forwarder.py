@@ -1,8 +1,9 @@
 """A lean HTTP/1.1 client for the proxy's hot path.
 
 Why not httpx here: per request it builds request and response models, header
-objects, an anyio stream and several layers of async generators, which was about
-1.5 ms of a shared 8K-token request's router overhead on a 2-core machine. Here a
+objects, an anyio stream and several layers of async generators, which measured as
+most of the router's added latency on a shared 8K-token prompt (bench/RESULTS.md,
+"Router overhead"). Here a
 request is one ``writelines`` of pre-joined bytes on a pooled keep-alive
 connection, and the response is parsed by httptools (llhttp) from the protocol
 callbacks; the body is handed over as the parser yields it, so a stream passes

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from kvplane.router.backoff import Backoff
 from kvplane.router.index.base import IndexUnavailable, PrefixMatches, ResidencyIndex
 from kvplane.router.index.wrapper import IndexWrapper
 from kvplane.router.telemetry import RouterMetrics
@@ -31,7 +32,7 @@ class GuardedIndex(IndexWrapper):
         self._timeout = timeout_s
         self._errors = metrics.index_errors.labels(**metrics.labels)
         self._open_until = 0.0
-        self._backoff = FIRST_BACKOFF_S
+        self._backoff = Backoff(FIRST_BACKOFF_S, MAX_BACKOFF_S)
 
     @property
     def available(self) -> bool:
@@ -47,10 +48,10 @@ class GuardedIndex(IndexWrapper):
                 result = await asyncio.wait_for(self.inner.lookup(keys, pods), self._timeout)
         except Exception as exc:  # timeout, connection refused, script error
             self._errors.inc()
-            self._open_until = time.monotonic() + self._backoff
+            delay = self._backoff.next()
+            self._open_until = time.monotonic() + delay
             why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            log.warning("index lookup failed (%s); sticky routing for %.2fs", why, self._backoff)
-            self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+            log.warning("index lookup failed (%s); sticky routing for %.2fs", why, delay)
             raise IndexUnavailable(why) from exc
-        self._backoff = FIRST_BACKOFF_S
+        self._backoff.reset()
         return result

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+from kvplane.router.backoff import Backoff
 from kvplane.router.config import Backend
 from kvplane.router.index.base import ResidencyIndex
 from kvplane.router.kvevents.ingest import DEFAULT_MAX_BLOCKS_PER_POD, Ingestor, IngestStats
@@ -178,22 +179,22 @@ class Indexer:
 
     async def _run(self, sub: EngineSubscriber) -> None:
         """Feed one stream into the index; restart it (new incarnation) on failure."""
-        backoff = RESTART_MIN_S
+        backoff = Backoff(RESTART_MIN_S, RESTART_MAX_S)
         while not self._closed:
             try:
                 async with contextlib.aclosing(sub.updates()) as updates:
                     async for update in updates:
                         await self._handle(sub, update)
-                        backoff = RESTART_MIN_S
+                        backoff.reset()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if isinstance(exc, zmq.ZMQError) and exc.errno == zmq.ETERM:
                     log.info("kv events %s: zmq context terminated; stream stops", sub.pod)
                     return
-                log.exception("kv events %s: stream failed; restarting in %.1fs", sub.pod, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(2 * backoff, RESTART_MAX_S)
+                delay = backoff.next()
+                log.exception("kv events %s: stream failed; restarting in %.1fs", sub.pod, delay)
+                await asyncio.sleep(delay)
 
     async def _handle(self, sub: EngineSubscriber, update: Update) -> None:
         if isinstance(update, StreamLost):

@@ -25,6 +25,7 @@ from typing import Final, Literal
 
 import zmq
 import zmq.asyncio
+from kvplane.router.backoff import Backoff
 from kvplane.router.kvevents.decode import (
     DecodeError,
     decode_batch,
@@ -207,7 +208,7 @@ class EngineSubscriber:
             yield start
             for update in caught_up:
                 yield update
-            backoff = RECONNECT_MIN_S
+            backoff = Backoff(RECONNECT_MIN_S, RECONNECT_MAX_S)
             while True:
                 try:
                     ready = dict(await poller.poll(self._idle_probe_ms))
@@ -237,16 +238,16 @@ class EngineSubscriber:
                     if exc.errno == zmq.ETERM:
                         raise  # the context is gone: nothing to reopen
                     # zmq reconnects the transport by itself; this is the socket failing
-                    log.warning("kv events %s: %s; reopening in %.1fs", self.pod, exc, backoff)
+                    delay = backoff.next()
+                    log.warning("kv events %s: %s; reopening in %.1fs", self.pod, exc, delay)
                     self.stats.reconnects += 1
                     monitor.close(linger=0)
                     sock.close(linger=0)
-                    await asyncio.sleep(backoff)
-                    backoff = min(2 * backoff, RECONNECT_MAX_S)
+                    await asyncio.sleep(delay)
                     sock, monitor = self._open()
                     poller = _poller(sock, monitor)
                     continue
-                backoff = RECONNECT_MIN_S
+                backoff.reset()
                 for update in await self._on_message(frames):
                     yield update
         finally:
