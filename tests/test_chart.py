@@ -18,12 +18,13 @@ import tempfile
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 from kopf.testing import KopfRunner
 from support.k8s_cluster import K8sCluster, K8sError, find_bin_dir
+
+from kvplane.types import Json
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "kvplane"
@@ -32,8 +33,6 @@ CONFIG = REPO / "config"
 VLLM_METRICS = Path(__file__).parent / "data" / "vllm-0.32-metrics.txt"
 MODEL = {"servedName": "llama", "source": "meta-llama/Llama-3.1-8B", "kvBytesPerToken": 131072}
 RELEASE = "kvp"
-
-Json = dict[str, Any]
 
 
 # --- tools -------------------------------------------------------------------------------

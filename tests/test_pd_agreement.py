@@ -43,7 +43,8 @@ from starlette.types import ASGIApp
 from support.pd_engines import PDEngine
 from support.router_server import deepseek_tokenizer_dir
 
-Json = dict[str, Any]
+from kvplane.types import Json
+
 NAMESPACE = "serving"
 POOL = "llama"
 MODEL: Json = {

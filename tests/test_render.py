@@ -43,7 +43,7 @@ from kvplane.operator.render import names as N
 from kvplane.operator.render.router import FETCH_TOKENIZER
 from kvplane.router.config import RouterConfig
 
-Json = dict[str, Any]
+from kvplane.types import Json
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "render"
 REGEN = os.environ.get("KVPLANE_REGEN_GOLDEN") == "1"
