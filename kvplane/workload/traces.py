@@ -32,7 +32,7 @@ import random
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from pathlib import Path
@@ -532,14 +532,6 @@ def head(workload: Workload, n: int) -> Workload:
     """The first ``n`` requests by arrival."""
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)[:n]
     return replace(workload, requests=reqs, description=f"{workload.description}, first {n}")
-
-
-def total_segments(requests: Iterable[TraceRequest]) -> int:
-    """Distinct segment ids named (a size estimate for the segment memo)."""
-    seen: set[int] = set()
-    for r in requests:
-        seen.update(r.segments)
-    return len(seen)
 
 
 WORKLOAD_NAMES: Final = ("mooncake", "gsp", "multi-round-qa", "long-doc-qa", "no-reuse")
