@@ -31,6 +31,7 @@ class ModelSpec(_Strict):
     kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072
     generation: str | None = Field(
         default=None,
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",  # a part of the index's key names
         description="the pool's generation tag (the operator sets it); by default derived "
         "from name, revision, the tokenizer files and block size",
     )

@@ -37,6 +37,7 @@ from kvplane.router.blockkeys import block_keys, generation_root
 from kvplane.router.config import Backend, CostParams, TierCost
 from kvplane.router.cost import CostModel
 from kvplane.router.engine_stats import EngineStats as ScrapedStats
+from kvplane.router.index.base import Blocks
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.kvevents import model as rk
 from kvplane.router.kvevents.ingest import Ingestor
@@ -287,7 +288,7 @@ class _Sim:
             held = matches.get(decision.pod, {}).get(Tier.HBM, 0)
             if len(keys) > held:
                 await self.index.mark_tentative(
-                    decision.pod, keys[held:], self.cost.tentative_ttl_s
+                    decision.pod, Blocks.of_prompt(keys, held), self.cost.tentative_ttl_s
                 )
         self.pool.observe_prompt(len(tokens))
         terms = decision.terms.get(decision.pod)
