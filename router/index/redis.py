@@ -4,28 +4,34 @@ Layout and encodings: ``redis_layout``. A lookup sends one script to each node t
 serves a chunk of the prompt (and to the one holding the pods table), all at once,
 and combines the holders they return in this process. Writes of any number of
 callers are gathered into one script per node and batch (group commit): a write is
-applied when its call returns, and concurrent streams share round trips. Works
-against one Redis or a Redis Cluster (Redis 7 or later); which one is asked of the
-server.
+applied when its call returns, and concurrent streams share round trips. Blocks
+travel as packed arrays (numpy), so a write costs the client no Python work per
+block. Works against one Redis or a Redis Cluster (Redis 7 or later); which one is
+asked of the server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import struct
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Final, TypeVar
 
+import numpy as np
+import numpy.typing as npt
 from kvplane.router.index.base import CHUNK, Blocks, NotOwner, PrefixMatches
 from kvplane.router.index.redis_layout import (
     MAX_SLOTS,
+    TAG_SLOTS,
     TENTATIVE_POD_INC,
     Found,
     Names,
+    bucket_ids,
     parse_pod,
     prefixes,
+    tag_index,
     tentative_entry,
     window_suffix,
 )
@@ -35,12 +41,15 @@ from kvplane.router.tiers import TIER_BIT, TIER_ORDER, Tier
 
 # Tentative marks live in windows this long; a mark's TTL is at most one window.
 DEFAULT_WINDOW_S: Final = 10.0
-# Fields one node's write script takes at most (a script blocks its node while it runs).
+# Block writes one node's script takes at most (a script blocks its node while it runs).
 DEFAULT_BATCH_FIELDS: Final = 4096
-_SEGMENT_FIELDS: Final = 512  # one bucket's fields per segment (Lua's unpack is bounded)
+_OP_RECORDS: Final = 0xFFFF  # records of one op in a script (its count is 2 bytes)
 _SEEN_S: Final = 1.0  # a pod's slot read by a lookup serves its marks this long
-_BUCKET_CACHE: Final = 1 << 16
+_ZERO: Final = dict.fromkeys(TIER_ORDER, 0)
 _T = TypeVar("_T")
+
+U64 = npt.NDArray[np.uint64]
+U32 = npt.NDArray[np.uint32]
 
 
 class SlotsExhausted(Exception):
@@ -48,26 +57,68 @@ class SlotsExhausted(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class _Segment:
-    bucket: bytes
-    store: bool
+class _Op:
+    """One write: a tier bit set (store) or cleared in one slot, for some blocks."""
+
     slot: int
     bit: int
-    blob: bytes
-
-    @property
-    def fields(self) -> int:
-        return len(self.blob) >> 3
+    store: bool
+    blocks: Blocks
 
 
 @dataclass(slots=True)
 class _Pending:
-    segments: list[_Segment]
+    op: _Op
     done: asyncio.Future[None]
 
 
-def _pack(keys: Sequence[int]) -> bytes:
-    return struct.pack(f">{len(keys)}Q", *keys)
+_HEADER: Final = np.dtype([("slot", ">u2"), ("bit", "u1"), ("store", "u1"), ("count", ">u2")])
+
+
+@dataclass(frozen=True, slots=True)
+class _Records:
+    """Ops as the write script takes them: per node, op headers and the records' bucket
+    ids and keys, op after op, each op's records grouped by bucket."""
+
+    headers: bytes
+    ids: bytes
+    keys: bytes
+
+
+def _records(ops: Sequence[_Op], nodes_of: Callable[[U32], Any]) -> dict[int, _Records]:
+    """Every op's blocks packed for the nodes that serve them: numpy over the whole
+    batch, nothing in Python per block."""
+    key_list: list[int] = []
+    anchor_list: list[int] = []
+    for op in ops:
+        key_list += op.blocks.keys
+        anchor_list += op.blocks.anchors
+    counts = np.array([len(op.blocks.keys) for op in ops], dtype=np.intp)
+    op_of = np.repeat(np.arange(len(ops)), counts)
+    ids = bucket_ids(np.array(anchor_list, dtype=np.uint64))
+    keys = np.array(key_list, dtype=np.uint64)
+    order = np.lexsort((ids, op_of))  # by op, then by bucket within the op
+    ids, keys, op_of = ids[order], keys[order], op_of[order]
+    nodes = nodes_of(ids)
+    if nodes is None:
+        parts = {0: np.arange(len(keys))}
+    else:
+        by_node = np.argsort(nodes, kind="stable")
+        edges = np.flatnonzero(np.diff(nodes[by_node])) + 1
+        parts = {int(nodes[idx[0]]): idx for idx in np.split(by_node, edges)}
+    table = np.array([(op.slot, op.bit, op.store) for op in ops], dtype=np.uint16)
+    out: dict[int, _Records] = {}
+    for node, idx in parts.items():
+        mine = op_of[idx]
+        starts = np.concatenate(([0], np.flatnonzero(np.diff(mine)) + 1))
+        header = np.zeros(len(starts), dtype=_HEADER)
+        which = mine[starts]
+        header["slot"], header["bit"], header["store"] = table[which].T
+        header["count"] = np.diff(np.append(starts, len(mine)))
+        out[node] = _Records(
+            header.tobytes(), ids[idx].astype(">u4").tobytes(), keys[idx].astype(">u8").tobytes()
+        )
+    return out
 
 
 class RedisIndex:
@@ -94,13 +145,16 @@ class RedisIndex:
         self.url = url
         self.nodes = Nodes(url, timeout_s=timeout_s, password=password)
         self.names = Names(generation)
+        self._prefix = self.names.prefix
         self._clock = clock
         self._window_ms = max(1, int(window_s * 1000))
         self._owner = owner
         self._batch_fields = batch_fields
         self._writing: dict[str, tuple[str, int]] = {}  # pod -> (incarnation, slot)
         self._seen: dict[str, tuple[int, float]] = {}  # pod -> (slot, when), from lookups
-        self._buckets: dict[int, bytes] = {}  # anchor >> 32 -> bucket name
+        # pod -> slot as of the last lookup, and the table's version then
+        self._pods_table: dict[str, int] = {}
+        self._pods_version: bytes = b"-"
         self._pending: list[_Pending] = []
         self._flusher: asyncio.Task[None] | None = None
         self.flushes = 0  # write round trips (metrics, benchmarks)
@@ -109,7 +163,7 @@ class RedisIndex:
     @property
     def pending_fields(self) -> int:
         """Block writes queued for the next round trip (back-pressure)."""
-        return sum(s.fields for item in self._pending for s in item.segments)
+        return sum(len(p.op.blocks.keys) for p in self._pending)
 
     @property
     def window_s(self) -> float:
@@ -122,14 +176,10 @@ class RedisIndex:
     def _meta_node(self) -> int:
         return self.nodes.node_of(self.names.pods)
 
-    def _bucket(self, anchor: int) -> bytes:
-        hi = anchor >> 32
-        name = self._buckets.get(hi)
-        if name is None:
-            if len(self._buckets) >= _BUCKET_CACHE:
-                self._buckets.clear()
-            name = self._buckets[hi] = self.names.bucket(anchor)
-        return name
+    def _nodes_of(self, ids: U32) -> npt.NDArray[np.intp] | None:
+        """The node of each bucket id (None: one server holds all)."""
+        slot_nodes = self.nodes.slot_nodes
+        return None if slot_nodes is None else slot_nodes[TAG_SLOTS[tag_index(ids)]]
 
     # ------------------------------------------------------------------ incarnations
 
@@ -158,7 +208,7 @@ class RedisIndex:
         leased = self._owner is not None and op != "mark"
         lease, owner = (n.lease(pod), self._owner or "") if leased else (b"", "")
         args: list[Arg] = [op, n.pods, n.slots, lease, owner, pod, incarnation]
-        args += [self.now_ms(), MAX_SLOTS]
+        args += [self.now_ms(), MAX_SLOTS, n.pods_version]
         slot = int(await self._retry(lambda: self._eval_meta(SLOT, args)))
         if slot == -1:
             raise NotOwner(f"pod {pod}: another indexer holds its stream")
@@ -216,32 +266,17 @@ class RedisIndex:
         slot = await self._slot_for_write(pod, incarnation)
         if slot is None:
             return
-        bit = TIER_BIT[tier]
-        segments = [
-            _Segment(bucket, store, slot, bit, _pack(keys))
-            for bucket, keys in self._by_bucket(blocks, _SEGMENT_FIELDS)
-        ]
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._pending.append(_Pending(segments, done))
+        loop = asyncio.get_running_loop()
+        for start in range(0, len(blocks.keys), _OP_RECORDS):  # a header counts 2 bytes
+            part = blocks
+            if len(blocks.keys) > _OP_RECORDS:
+                stop = start + _OP_RECORDS
+                part = Blocks(blocks.keys[start:stop], blocks.anchors[start:stop])
+            done: asyncio.Future[None] = loop.create_future()
+            self._pending.append(_Pending(_Op(slot, TIER_BIT[tier], store, part), done))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush_pending())
-        await done
-
-    def _by_bucket(self, blocks: Blocks, limit: int) -> list[tuple[bytes, list[int]]]:
-        """The keys grouped by chunk bucket, at most ``limit`` to a group."""
-        groups: dict[bytes, list[int]] = {}
-        bucket = self._bucket
-        for key, anchor in zip(blocks.keys, blocks.anchors, strict=True):
-            name = bucket(anchor)
-            group = groups.get(name)
-            if group is None:
-                groups[name] = [key]
-            else:
-                group.append(key)
-        out: list[tuple[bytes, list[int]]] = []
-        for name, keys in groups.items():
-            out += [(name, keys[i : i + limit]) for i in range(0, len(keys), limit)]
-        return out
+        await done  # the last part: parts are written in order
 
     async def flush(self) -> None:
         """Wait until every write queued so far is applied."""
@@ -252,39 +287,36 @@ class RedisIndex:
         while self._pending:
             taken, fields = 0, 0
             for item in self._pending:
-                fields += sum(s.fields for s in item.segments)
+                fields += len(item.op.blocks.keys)
                 taken += 1
                 if fields >= self._batch_fields:
                     break
             batch, self._pending = self._pending[:taken], self._pending[taken:]
             try:
-                await self._send([s for item in batch for s in item.segments])
+                await self.nodes.connect()
+                await self._retry(partial(self._send, [item.op for item in batch]))
             except Exception as exc:
                 for item in batch:
                     if not item.done.done():
                         item.done.set_exception(exc)
                 continue
+            self.flushed_fields += fields
             for item in batch:
                 if not item.done.done():
                     item.done.set_result(None)
 
-    async def _send(self, segments: Sequence[_Segment]) -> None:
-        await self.nodes.connect()
-        await self._retry(lambda: self._send_once(segments))
-        self.flushed_fields += sum(s.fields for s in segments)
-
-    async def _send_once(self, segments: Sequence[_Segment]) -> None:
+    async def _send(self, ops: Sequence[_Op]) -> None:
+        """One write script per node for ``ops``, in their order."""
         window = self.now_ms() // self._window_ms
-        head: list[Arg] = [window_suffix(window), window_suffix(window - 1)]
-        by_node: dict[int, list[Arg]] = {}
-        node_of = self.nodes.node_of
-        for s in segments:
-            args = by_node.get(node := node_of(s.bucket))
-            if args is None:
-                args = by_node[node] = list(head)
-            args += [s.bucket, b"s" if s.store else b"r", s.slot, s.bit, s.blob]
-        await self.nodes.eval_each(WRITE, by_node)
-        self.flushes += len(by_node)
+        head: list[Arg] = [self._prefix, window_suffix(window), window_suffix(window - 1)]
+        args = {
+            node: [*head, r.headers, r.ids, r.keys]
+            for node, r in _records(ops, self._nodes_of).items()
+        }
+        await self.nodes.eval_each(WRITE, args)
+        self.flushes += len(args)
+
+    # -------------------------------------------------------------------- tentative
 
     async def mark_tentative(self, pod: str, blocks: Blocks, ttl_s: float) -> None:
         if not blocks.keys:
@@ -300,20 +332,13 @@ class RedisIndex:
         now_ms = round(now * 1000)
         ttl_ms = min(int(ttl_s * 1000), self._window_ms)
         slot_b, expiry_b = tentative_entry(slot, now_ms + ttl_ms)
-        head: list[Arg] = [window_suffix(now_ms // self._window_ms), 2 * self._window_ms + 1000]
-        head += [slot_b, expiry_b]
-        groups = [
-            (bucket, _pack(keys)) for bucket, keys in self._by_bucket(blocks, _SEGMENT_FIELDS)
-        ]
+        head: list[Arg] = [self._prefix, window_suffix(now_ms // self._window_ms)]
+        head += [2 * self._window_ms + 1000, slot_b, expiry_b]
+        op = _Op(slot, 0, True, blocks)
 
         async def once() -> None:
-            by_node: dict[int, list[Arg]] = {}
-            for bucket, blob in groups:
-                args = by_node.get(node := self.nodes.node_of(bucket))
-                if args is None:
-                    args = by_node[node] = list(head)
-                args += [bucket, blob]
-            await self.nodes.eval_each(TENTATIVE, by_node)
+            args = {n: [*head, r.ids, r.keys] for n, r in _records([op], self._nodes_of).items()}
+            await self.nodes.eval_each(TENTATIVE, args)
 
         await self._retry(once)
 
@@ -323,54 +348,67 @@ class RedisIndex:
         if not pods:
             return {}
         if not keys:
-            return {p: dict.fromkeys(TIER_ORDER, 0) for p in pods}
+            return {p: _ZERO.copy() for p in pods}
         await self.nodes.connect()
         now = self._clock()
         now_ms = round(now * 1000)
         window = now_ms // self._window_ms
-        blob = _pack(keys)
-        node_of = self.nodes.node_of
+        n = len(keys)
+        blob = np.array(keys, dtype=">u8").tobytes()
+        chunk_ids = bucket_ids(np.array(keys[::CHUNK], dtype=np.uint64))
+        id_blob = chunk_ids.astype(">u4").tobytes()
         meta = self._meta_node()
-        # per node: its buckets, their field counts, their blocks' positions, fields blob
-        plan: dict[int, tuple[list[bytes], bytearray, list[int], list[bytes]]] = {}
-        for start in range(0, len(keys), CHUNK):
-            bucket = self._bucket(keys[start])
-            node = node_of(bucket)
-            entry = plan.get(node)
-            if entry is None:
-                entry = plan[node] = ([], bytearray(), [], [])
-            stop = min(start + CHUNK, len(keys))
-            entry[0].append(bucket)
-            entry[1].append(stop - start)
-            entry[2].extend(range(start, stop))
-            entry[3].append(blob[8 * start : 8 * stop])
-        plan.setdefault(meta, ([], bytearray(), [], []))
-        head: list[Arg] = [window_suffix(window), window_suffix(window - 1)]
+        nodes = self._nodes_of(chunk_ids)
+        chunks = range(len(chunk_ids))
+        # per node: its chunks, in order
+        plan: dict[int, list[int]] = {0: list(chunks)} if nodes is None else {}
+        if nodes is not None:
+            for c, node in enumerate(nodes.tolist()):
+                plan.setdefault(node, []).append(c)
+        plan.setdefault(meta, [])
+        head: list[Arg] = [self._prefix, window_suffix(window), window_suffix(window - 1)]
+        names = self.names
         args: dict[int, list[Arg]] = {}
-        for node, (buckets, per, _, parts) in plan.items():
-            tail: list[Arg] = (
-                [self.names.pods, *buckets, *pods] if node == meta else [b"", *buckets]
-            )
-            args[node] = [*head, b"".join(parts), bytes(per), *tail]
-        replies = await self.nodes.eval_each(LOOKUP, args)
-        found = Found([], [], [], [])
-        slots: list[int | None] = [None] * len(pods)
-        for node, (held, mark1, mark0, pod_values) in replies.items():
-            positions = plan[node][2]
-            found.add(positions, held)
-            found.add_marks(positions, mark1)
-            found.add_marks(positions, mark0)
+        for node, mine in plan.items():
+            table: list[Arg] = [b"", b"", b""]
             if node == meta:
-                for i, value in enumerate(pod_values):
-                    parsed = parse_pod(value)
-                    if parsed is not None:
-                        slots[i] = parsed[0]
-                        self._seen[pods[i]] = (parsed[0], now)
-        runs = prefixes(len(keys), slots, found, now_ms)
-        return {
-            pod: dict(zip(TIER_ORDER, run, strict=True))
-            for pod, run in zip(pods, runs, strict=True)
-        }
+                table = [names.pods, names.pods_version, self._pods_version]
+            if len(mine) == len(chunk_ids):
+                records: list[Arg] = [id_blob, _counts(n, mine), blob]
+            else:
+                ids_b = b"".join(id_blob[4 * c : 4 * c + 4] for c in mine)
+                keys_b = b"".join(blob[8 * CHUNK * c : 8 * CHUNK * (c + 1)] for c in mine)
+                records = [ids_b, _counts(n, mine), keys_b]
+            args[node] = [*head, *records, *table]
+        replies = await self.nodes.eval_each(LOOKUP, args)
+        found = Found(len(chunk_ids))
+        for node, reply in replies.items():
+            for c, (held, mark1, mark0) in zip(plan[node], reply, strict=False):
+                found.add(c, held, mark1, mark0)
+            if node == meta:
+                self._read_pods_table(reply[-1])
+        table_now = self._pods_table
+        slots = [table_now.get(pod) for pod in pods]
+        for pod, slot in zip(pods, slots, strict=True):
+            if slot is not None:
+                self._seen[pod] = (slot, now)
+        runs = prefixes(n, slots, found, now_ms)
+        out: PrefixMatches = {}
+        for pod, run in zip(pods, runs, strict=True):
+            out[pod] = _ZERO.copy() if run is None else dict(zip(TIER_ORDER, run, strict=True))
+        return out
+
+    def _read_pods_table(self, reply: list[Any]) -> None:
+        """The lookup's answer about the pods table: its version, and the table if it moved."""
+        if len(reply) > 1:
+            raw = reply[1]
+            table: dict[str, int] = {}
+            for i in range(0, len(raw), 2):
+                parsed = parse_pod(raw[i + 1])
+                if parsed is not None:
+                    table[raw[i].decode()] = parsed[0]
+            self._pods_table = table
+        self._pods_version = reply[0]
 
     async def ping(self) -> None:
         await self.nodes.connect()
@@ -380,6 +418,11 @@ class RedisIndex:
         if self._flusher is not None and not self._flusher.done():
             await self.flush()
         await self.nodes.close()
+
+
+def _counts(n: int, chunks: Sequence[int]) -> bytes:
+    """The block count of each chunk of an ``n``-block prompt."""
+    return bytes(min(CHUNK, n - c * CHUNK) for c in chunks)
 
 
 async def forget_generation(url: str, generation: str, password: str | None = None) -> int:

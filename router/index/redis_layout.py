@@ -2,15 +2,20 @@
 
 Keys of one pool (generation tag ``g``; ``{...}`` is the Redis Cluster hash tag):
 
-- ``kvp:g:{aaaaaaaa}``     a chunk bucket: HASH 8-byte block key -> holders. ``aaaaaaaa``
-  is the top 32 bits of the chunk's anchor (``index.base.CHUNK``), so a prompt's
-  blocks sit in one bucket per chunk and the buckets spread over the cluster's slots.
+- ``kvp:g:{TT}SS``         a chunk bucket: HASH 8-byte block key -> holders. ``TTSS`` are
+  4 raw bytes, the *bucket id*: the top 32 bits of the chunk's anchor
+  (``index.base.CHUNK``) with the top bit of each byte set, so that no byte is a
+  brace; ``TT`` is the Redis Cluster hash tag (16,384 tags). A prompt's blocks sit in
+  one bucket per chunk, and the buckets spread over the cluster's slots. Scripts
+  build the names from the ids (the client sends 4 bytes, not a name, per block).
   Holders are 2-byte entries ``slot << N_TIERS | tier bits``, one per pod holding
   the block: a sparse bitset of pods, 2 bytes per (block, pod).
-- ``kvp:g:{aaaaaaaa}t<w>`` the chunk's tentative marks made in window ``w`` (``now //
+- ``kvp:g:{TT}SSt<w>``     the chunk's tentative marks made in window ``w`` (``now //
   window``): HASH block key -> 8-byte entries ``slot (2) | expiry ms (6)``. A window
   key expires by itself two windows after it was made, so marks never outlive it.
-- ``kvp:{g}:pods``         HASH pod -> ``slot␟incarnation`` (one slot, one node)
+- ``kvp:{g}:pods``         HASH pod -> ``slot␟incarnation`` (one slot, one node), and
+  ``kvp:{g}:podsv`` its version, bumped on every change: a lookup reads the table only
+  when its version moved
 - ``kvp:{g}:slots``        HASH slot -> pod, or ``~<ms>`` for a slot dead since then
 - ``kvp:{g}:own:<pod>``    the indexer owning the pod's stream (a lease)
 - ``kvp:{g}:indexers``     ZSET indexer id -> lease expiry ms
@@ -24,12 +29,14 @@ collection has swept every bucket (``redis_gc``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import numpy as np
 import numpy.typing as npt
+from kvplane.router.index.base import CHUNK
 from kvplane.router.tiers import TIER_BIT, TIER_ORDER, Tier
+from redis.crc import key_slot
 
 N_TIERS: Final = len(TIER_ORDER)
 SLOT_MUL: Final = 1 << N_TIERS  # entry = slot * SLOT_MUL + tier bits
@@ -58,13 +65,20 @@ class Names:
 
     generation: str
 
+    @property
+    def prefix(self) -> bytes:
+        """What the scripts put before ``{TT}SS``."""
+        return b"kvp:%s:" % self.generation.encode()
+
     def bucket(self, anchor: int) -> bytes:
-        return b"kvp:%s:{%08x}" % (self.generation.encode(), anchor >> 32)
+        """The bucket of a chunk (as the scripts name it)."""
+        tt_ss = bucket_id(anchor).to_bytes(4, "big")
+        return self.prefix + b"{" + tt_ss[:2] + b"}" + tt_ss[2:]
 
     @property
     def bucket_pattern(self) -> bytes:
         """SCAN pattern of the chunk buckets (not their tentative windows)."""
-        return b"kvp:%s:{*}" % self.generation.encode()
+        return self.prefix + b"{*}??"
 
     @property
     def patterns(self) -> tuple[bytes, bytes]:
@@ -80,6 +94,10 @@ class Names:
         return self._meta("pods")
 
     @property
+    def pods_version(self) -> bytes:
+        return self._meta("podsv")
+
+    @property
     def slots(self) -> bytes:
         return self._meta("slots")
 
@@ -93,6 +111,33 @@ class Names:
 
     def lease(self, pod: str) -> bytes:
         return self._meta(f"own:{pod}")
+
+
+ID_BITS: Final = 0x80808080  # set in every bucket id: no byte of it is a brace
+
+
+def bucket_id(anchor: int) -> int:
+    return (anchor >> 32) | ID_BITS
+
+
+def bucket_ids(anchors: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint32]:
+    return ((anchors >> np.uint64(32)) | np.uint64(ID_BITS)).astype(np.uint32)
+
+
+def _tag_slots() -> npt.NDArray[np.uint16]:
+    """Cluster slot of every hash tag, by ``tag_index``."""
+    out = np.zeros(1 << 14, dtype=np.uint16)
+    for i in range(1 << 14):
+        out[i] = key_slot(b"{" + bytes([0x80 | i >> 7, 0x80 | i & 0x7F]) + b"}")
+    return out
+
+
+TAG_SLOTS: Final = _tag_slots()
+
+
+def tag_index(ids: npt.NDArray[np.uint32]) -> npt.NDArray[np.intp]:
+    """Bucket ids -> index of their hash tag in ``TAG_SLOTS``."""
+    return (((ids >> 24) & 0x7F) << 7 | ((ids >> 16) & 0x7F)).astype(np.intp)
 
 
 def window_suffix(window: int) -> bytes:
@@ -114,58 +159,61 @@ def tentative_entry(slot: int, expiry_ms: int) -> tuple[bytes, bytes]:
 
 @dataclass(slots=True)
 class Found:
-    """What a lookup read, flattened over nodes: each non-empty value with the
-    position of its block in the prompt."""
+    """What a lookup read, by chunk of the prompt: per block the value of its field
+    (None where none) in the chunk bucket and in each tentative window it has."""
 
-    positions: list[int]
-    values: list[bytes]
-    mark_positions: list[int]
-    marks: list[bytes]
+    chunks: int
+    held: list[Sequence[bytes | None]] = field(default_factory=list)
+    marks: list[tuple[int, Sequence[bytes | None]]] = field(default_factory=list)
 
-    def add(self, positions: Sequence[int], values: Sequence[bytes | None]) -> None:
-        for pos, value in zip(positions, values, strict=True):
-            if value:
-                self.positions.append(pos)
-                self.values.append(value)
+    def __post_init__(self) -> None:
+        self.held = [()] * self.chunks
 
-    def add_marks(self, positions: Sequence[int], values: Sequence[bytes | None]) -> None:
-        if not values:  # no window key on that node
-            return
-        for pos, value in zip(positions, values, strict=True):
-            if value:
-                self.mark_positions.append(pos)
-                self.marks.append(value)
+    def add(
+        self, chunk: int, held: Sequence[bytes | None], *windows: Sequence[bytes | None] | int
+    ) -> None:
+        """One chunk's answer: its blocks' holders, each window's marks (0: no window)."""
+        self.held[chunk] = held
+        for marks in windows:
+            if not isinstance(marks, int):
+                self.marks.append((chunk, marks))
 
 
-def prefixes(n: int, slots: Sequence[int | None], found: Found, now_ms: int) -> list[list[int]]:
-    """Per candidate (by slot; None: unknown pod), its leading blocks per tier, from the
-    holders of a prompt's ``n`` blocks."""
-    zero = [0] * N_TIERS
+def prefixes(
+    n: int, slots: Sequence[int | None], found: Found, now_ms: int
+) -> list[list[int] | None]:
+    """Per candidate (by slot; None: unknown pod), its leading blocks per tier (None:
+    none at all), from the holders of a prompt's ``n`` blocks."""
     col_of = {s: c for c, s in enumerate(slots) if s is not None}
-    if not col_of or not (found.values or found.marks):
-        return [zero] * len(slots)
+    out: list[list[int] | None] = [None] * len(slots)
+    if not col_of:
+        return out
     colmap = np.full(MAX_SLOTS, -1, dtype=np.int32)
     colmap[list(col_of)] = list(col_of.values())
     cells = np.zeros((n + 1, len(slots)), dtype=np.uint8)  # row n: all zero, a sentinel
-    if found.values:
-        entries = np.frombuffer(b"".join(found.values), dtype=">u2")
-        counts = [len(v) >> 1 for v in found.values]
-        rows = np.repeat(np.asarray(found.positions, dtype=np.intp), counts)
+    flat = [v for chunk in found.held for v in chunk]
+    blob = b"".join(v for v in flat if v)
+    if blob:
+        sizes = np.fromiter((len(v) >> 1 if v else 0 for v in flat), np.intp, len(flat))
+        entries = np.frombuffer(blob, dtype=">u2")
+        rows = np.repeat(np.arange(len(flat)), sizes)
         cols = colmap[entries >> N_TIERS]
         keep = cols >= 0
         cells[rows[keep], cols[keep]] = CUMULATIVE[entries[keep] & FIELD]
-    if found.marks:
-        marks = np.frombuffer(b"".join(found.marks), dtype=">u8")
-        counts = [len(v) >> 3 for v in found.marks]
-        rows = np.repeat(np.asarray(found.mark_positions, dtype=np.intp), counts)
+    for chunk, values in found.marks:
+        marked = b"".join(v for v in values if v)
+        if not marked:
+            continue
+        sizes = np.fromiter((len(v) >> 3 if v else 0 for v in values), np.intp, len(values))
+        marks = np.frombuffer(marked, dtype=">u8")
+        rows = np.repeat(np.arange(chunk * CHUNK, chunk * CHUNK + len(values)), sizes)
         cols = colmap[marks >> EXPIRY_BITS]
         keep = (cols >= 0) & ((marks & ((1 << EXPIRY_BITS) - 1)) > now_ms)
         cells[rows[keep], cols[keep]] = FIELD  # held in HBM: counts in every tier
-    active = np.flatnonzero(cells.any(axis=0))
-    out = [zero] * len(slots)
+    active = np.flatnonzero(cells[0])  # a prefix starts at the first block
     if active.size:
         sub: npt.NDArray[np.uint8] = cells[:, active]
-        runs = [np.argmin((sub & (1 << t)) != 0, axis=0) for t in range(N_TIERS)]
-        for j, col in enumerate(active.tolist()):
-            out[col] = [int(r[j]) for r in runs]
+        runs = np.stack([np.argmin((sub & (1 << t)) != 0, axis=0) for t in range(N_TIERS)], 1)
+        for col, run in zip(active.tolist(), runs.tolist(), strict=True):
+            out[col] = run
     return out

@@ -1,10 +1,12 @@
 """The Redis index's Lua scripts (layout: ``redis_layout``), with the tier table filled in.
 
-Every script takes its key names as arguments, declares none, and is flagged
-``allow-cross-slot-keys``: a node runs it over every bucket it serves, whatever the
-slots (Redis 7 refuses a script whose *declared* keys span slots, not one that
-touches local keys). Redis' Lua turns numbers into strings slowly, so names and
-window suffixes come ready-made from the client.
+Every script declares no keys and is flagged ``allow-cross-slot-keys``: a node runs it
+over every bucket it serves, whatever the slots (Redis 7 refuses a script whose
+*declared* keys span slots, not one that touches local keys). Blocks come as two
+blobs (8-byte keys, 4-byte bucket ids) and the scripts name the buckets themselves:
+an argument per block, or a bucket name per block, costs the client more than the
+script's work (bench/RESULTS.md, index). Redis' Lua turns numbers into strings slowly,
+so window suffixes come ready-made.
 """
 
 from __future__ import annotations
@@ -19,73 +21,73 @@ def _fill(source: str) -> str:
     return source.replace("__SLOT_MUL__", str(SLOT_MUL)).replace("__HBM__", str(HBM_BIT))
 
 
-_FIELDS = """
-local function fields(blob, from, n)
+# Records: block i is the 8 bytes at 8i of a keys blob and the 4-byte bucket id at 4i of
+# an ids blob. ``run`` takes the records from i that share a bucket: their fields, the
+# bucket's name and the index after them.
+_RECORDS = """
+local function run(pre, ids, keys, i, stop)
+  local id = string.sub(ids, 4 * i + 1, 4 * i + 4)
   local f = {}
-  for j = 1, n do f[j] = string.sub(blob, from + 8 * j - 8, from + 8 * j - 1) end
-  return f
+  repeat
+    f[#f + 1] = string.sub(keys, 8 * i + 1, 8 * i + 8)
+    i = i + 1
+  until i >= stop or string.sub(ids, 4 * i + 1, 4 * i + 4) ~= id
+  return f, pre .. '{' .. string.sub(id, 1, 2) .. '}' .. string.sub(id, 3, 4), i
 end
 """
 
-# ARGV: this window's suffix, the last one's, the fields blob (8-byte keys, bucket after
-# bucket), one byte per bucket (its number of fields), the pods hash ('' when another
-# node holds it), the bucket names, then the candidate pods.
-# Returns {holders, this window's marks, the last window's, pods}: a value or nil per
-# field (a window's list is empty when no bucket here has that window), and
-# ``slot␟incarnation`` or nil per pod.
+# ARGV: the key prefix, this window's suffix, the last one's; the prompt's chunks on this
+# node: their bucket ids (4 bytes each), their block counts (1 byte each), their blocks'
+# keys; then the pods table, its version key and the version the caller knows ('', '',
+# '' when another node holds the table). Returns per chunk {holders, this window's
+# marks, the last window's}: the value of each field (nil where none), a window's 0
+# when it has none; then, on the pods table's node, {version} or, if the caller's is
+# older, {version, the whole table}.
 LOOKUP: Final = Script(
     "#!lua flags=allow-cross-slot-keys,no-writes\n"
-    + _FIELDS
     + """
-local per = ARGV[4]
-local nb = #per
-local held, w1, w0 = {}, {}, {}
-local any1, any0 = false, false
+local pre, sfx1, sfx0, ids, per, keys = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+local out = {}
 local at = 1
-for b = 1, nb do
-  local name = ARGV[5 + b]
-  local n = string.byte(per, b)
-  local f = fields(ARGV[3], at, n)
-  at = at + 8 * n
-  local base = #held
-  local v = redis.call('HMGET', name, unpack(f))
-  for j = 1, n do held[base + j] = v[j] end
-  local t1, t0 = name .. ARGV[1], name .. ARGV[2]
-  if redis.call('EXISTS', t1) == 1 then
-    any1 = true
-    v = redis.call('HMGET', t1, unpack(f))
-    for j = 1, n do w1[base + j] = v[j] end
-  else
-    for j = 1, n do w1[base + j] = false end
+for c = 1, #per do
+  local id = string.sub(ids, 4 * c - 3, 4 * c)
+  local name = pre .. '{' .. string.sub(id, 1, 2) .. '}' .. string.sub(id, 3, 4)
+  local f = {}
+  for j = 1, string.byte(per, c) do
+    f[j] = string.sub(keys, at, at + 7)
+    at = at + 8
   end
-  if redis.call('EXISTS', t0) == 1 then
-    any0 = true
-    v = redis.call('HMGET', t0, unpack(f))
-    for j = 1, n do w0[base + j] = v[j] end
+  local t1, t0 = name .. sfx1, name .. sfx0
+  local m1, m0 = 0, 0
+  if redis.call('EXISTS', t1) == 1 then m1 = redis.call('HMGET', t1, unpack(f)) end
+  if redis.call('EXISTS', t0) == 1 then m0 = redis.call('HMGET', t0, unpack(f)) end
+  out[c] = {redis.call('HMGET', name, unpack(f)), m1, m0}
+end
+if ARGV[7] ~= '' then
+  local version = redis.call('GET', ARGV[8]) or '0'
+  if version == ARGV[9] then
+    out[#out + 1] = {version}
   else
-    for j = 1, n do w0[base + j] = false end
+    out[#out + 1] = {version, redis.call('HGETALL', ARGV[7])}
   end
 end
-if not any1 then w1 = {} end
-if not any0 then w0 = {} end
-local pods = {}
-if ARGV[5] ~= '' and #ARGV > 5 + nb then
-  pods = redis.call('HMGET', ARGV[5], unpack(ARGV, 6 + nb))
-end
-return {held, w1, w0, pods}
+return out
 """
 )
 
-# ARGV: this window's suffix, the last one's; then per segment five: a bucket, 's' (store)
-# or 'r' (remove), the pod's slot, one tier bit, the fields blob. A write sets or clears
-# the tier bit in the slot's entry; an entry left with no bit goes, and a field with no
-# entry. An HBM write also ends the slot's tentative marks on those fields.
+# ARGV: the key prefix, this window's suffix, the last one's, the ops blob (6 bytes an
+# op: the pod's slot (2), one tier bit (1), 1 to store or 0 to remove (1), its number
+# of records (2)), the ids blob and the keys blob of the records, op after op. A write
+# sets or clears the tier bit in the slot's entry; an entry left with no bit goes, and
+# a field with no entry. An HBM write also ends the slot's tentative marks on those
+# fields. Returns the number of records.
 WRITE: Final = Script(
     _fill(
         "#!lua flags=allow-cross-slot-keys\n"
-        + _FIELDS
+        + _RECORDS
         + """
 local M, HBM = __SLOT_MUL__, __HBM__
+local pre, ops, ids, keys = ARGV[1], ARGV[4], ARGV[5], ARGV[6]
 local function put(x, slot, tb, store)
   for k = 1, #x, 2 do
     local a, b = string.byte(x, k, k + 1)
@@ -105,12 +107,12 @@ local function put(x, slot, tb, store)
   local e = slot * M + tb
   return x .. string.char(math.floor(e / 256), e % 256)
 end
-local function apply(name, f, set, del)
+local function apply(name, set, del)
   if #set > 0 then redis.call('HSET', name, unpack(set)) end
   if #del > 0 then redis.call('HDEL', name, unpack(del)) end
 end
 local function unmark(name, f, sb)
-  for w = 1, 2 do
+  for w = 2, 3 do
     local tn = name .. ARGV[w]
     if redis.call('EXISTS', tn) == 1 then
       local v = redis.call('HMGET', tn, unpack(f))
@@ -129,53 +131,58 @@ local function unmark(name, f, sb)
           end
         end
       end
-      apply(tn, f, set, del)
+      apply(tn, set, del)
     end
   end
 end
-local i, written = 3, 0
-while i <= #ARGV do
-  local name, store = ARGV[i], ARGV[i + 1] == 's'
-  local slot, tb, blob = tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3]), ARGV[i + 4]
-  i = i + 5
-  local f = fields(blob, 1, #blob / 8)
-  local v = redis.call('HMGET', name, unpack(f))
-  local set, del = {}, {}
-  for j = 1, #f do
-    local x = v[j] or ''
-    local y = put(x, slot, tb, store)
-    if y ~= x then
-      if y == '' then del[#del + 1] = f[j] else
-        set[#set + 1] = f[j]
-        set[#set + 1] = y
+local i = 0
+for o = 1, #ops, 6 do
+  local sh, sl, tb, st, ch, cl = string.byte(ops, o, o + 5)
+  local slot, store, stop = sh * 256 + sl, st == 1, i + ch * 256 + cl
+  local sb = string.char(sh, sl)
+  while i < stop do
+    local f, name
+    f, name, i = run(pre, ids, keys, i, stop)
+    local v = redis.call('HMGET', name, unpack(f))
+    local set, del = {}, {}
+    for j = 1, #f do
+      local x = v[j] or ''
+      local y = put(x, slot, tb, store)
+      if y ~= x then
+        if y == '' then del[#del + 1] = f[j] else
+          set[#set + 1] = f[j]
+          set[#set + 1] = y
+        end
       end
     end
+    apply(name, set, del)
+    if tb == HBM then unmark(name, f, sb) end
   end
-  apply(name, f, set, del)
-  if tb == HBM then unmark(name, f, string.char(math.floor(slot / 256), slot % 256)) end
-  written = written + #f
 end
-return written
+return i
 """
     )
 )
 
-# ARGV: the window suffix, the window keys' lifetime in ms, the slot (2 bytes), the
-# expiry (6 bytes, ms); then pairs: a bucket, the fields blob. A mark keeps the later
-# of its expiries.
+# ARGV: the key prefix, the window suffix, the window keys' lifetime in ms, the slot (2
+# bytes), the expiry (6 bytes, ms), the ids blob and the keys blob. A mark keeps the
+# later of its expiries.
 TENTATIVE: Final = Script(
     "#!lua flags=allow-cross-slot-keys\n"
-    + _FIELDS
+    + _RECORDS
     + """
 local function ms(s)
   local a, b, c, d, e, f = string.byte(s, 1, 6)
   return ((((a * 256 + b) * 256 + c) * 256 + d) * 256 + e) * 256 + f
 end
-local sb, exp = ARGV[3], ARGV[4]
+local pre, sfx, life, sb, exp, ids, keys = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5],
+  ARGV[6], ARGV[7]
 local entry, until_ms = sb .. exp, ms(exp)
-for i = 5, #ARGV, 2 do
-  local tn, blob = ARGV[i] .. ARGV[1], ARGV[i + 1]
-  local f = fields(blob, 1, #blob / 8)
+local i, stop = 0, #keys / 8
+while i < stop do
+  local f, name
+  f, name, i = run(pre, ids, keys, i, stop)
+  local tn = name .. sfx
   local v = redis.call('HMGET', tn, unpack(f))
   local set = {}
   for j = 1, #f do
@@ -201,7 +208,7 @@ for i = 5, #ARGV, 2 do
   end
   if #set > 0 then
     redis.call('HSET', tn, unpack(set))
-    redis.call('PEXPIRE', tn, ARGV[2], 'NX')
+    redis.call('PEXPIRE', tn, life, 'NX')
   end
 end
 return 1
@@ -209,7 +216,8 @@ return 1
 )
 
 # ARGV: 'begin', 'drop' or 'mark'; the pods hash, the slots hash; the lease key and its
-# owner ('' and '': no lease); the pod, its incarnation, now in ms, the slot count.
+# owner ('' and '': no lease); the pod, its incarnation, now in ms, the slot count, and
+# the pods table's version key (bumped on every change of the table).
 # begin: the pod's slot for this incarnation, a new one if it changed (the old slot is
 # dead from now on); drop: the pod's slot dies; mark: the pod's slot, a new one under
 # the tentative incarnation if it has none. Returns the slot, -1 when another indexer
@@ -217,8 +225,9 @@ return 1
 SLOT: Final = Script(
     "#!lua flags=allow-cross-slot-keys\n"
     + """
-local op, pods, slots, lease, owner, pod, inc, now, max =
-  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9])
+local op, pods, slots, lease, owner, pod, inc, now, max, version =
+  ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7], ARGV[8], tonumber(ARGV[9]),
+  ARGV[10]
 if lease ~= '' and redis.call('GET', lease) ~= owner then return -1 end
 local cur = redis.call('HGET', pods, pod)
 if cur then
@@ -228,6 +237,7 @@ if cur then
   redis.call('HSET', slots, slot, '~' .. now)
   if op == 'drop' then
     redis.call('HDEL', pods, pod)
+    redis.call('INCR', version)
     return tonumber(slot)
   end
 elseif op == 'drop' then
@@ -239,6 +249,7 @@ for s = 0, max - 1 do
   if not taken[s] then
     redis.call('HSET', slots, s, pod)
     redis.call('HSET', pods, pod, s .. '\\31' .. inc)
+    redis.call('INCR', version)
     return s
   end
 end

@@ -18,6 +18,8 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+import numpy as np
+import numpy.typing as npt
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.crc import key_slot
@@ -64,6 +66,7 @@ class Nodes:
         )
         self._pools: list[aioredis.ConnectionPool] = []
         self._slot_node: list[int] | None = None  # None: one server, not a cluster
+        self._slot_array: npt.NDArray[np.intp] | None = None
         self._refreshing: asyncio.Lock | None = None
 
     @property
@@ -78,6 +81,11 @@ class Nodes:
         """The node serving ``key`` (by its hash tag)."""
         table = self._slot_node
         return 0 if table is None else table[key_slot(key)]
+
+    @property
+    def slot_nodes(self) -> npt.NDArray[np.intp] | None:
+        """Node of every slot (None: one server)."""
+        return self._slot_array
 
     async def connect(self) -> None:
         if not self._pools:
@@ -96,7 +104,7 @@ class Nodes:
     async def _read_topology(self) -> None:
         info = await self._call_pool(self._seed, ("INFO", "cluster"))
         if b"cluster_enabled:1" not in info:
-            self._pools, self._slot_node = [self._seed], None
+            self._pools, self._slot_node, self._slot_array = [self._seed], None, None
             return
         ranges = await self._call_pool(self._seed, ("CLUSTER", "SLOTS"))
         kw = dict(self._seed.connection_kwargs)
@@ -122,6 +130,7 @@ class Nodes:
             if pool is not self._seed:
                 await pool.disconnect()
         self._pools, self._slot_node = pools, table
+        self._slot_array = np.asarray(table, dtype=np.intp)
         log.info("redis index: a cluster of %d primaries", len(pools))
 
     async def call(self, node: int, *args: Arg) -> Any:

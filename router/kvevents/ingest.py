@@ -190,20 +190,24 @@ class Planner:
         bit = TIER_BIT[tier]
         accepted: list[int] = []
         anchors: list[int] = []
+        # the hot path of ingestion: dicts and methods held in locals
+        mapped, places, tiers, recent = chains.keys, chains.places, chains.tiers, chains.recent
         for engine_hash, key in zip(ev.block_hashes, keys, strict=True):
-            old = chains.keys.get(engine_hash)
+            old = mapped.get(engine_hash)
             if old is None:
-                if len(chains.keys) >= self.max_blocks:
+                if len(mapped) >= self.max_blocks:
                     self._full(chains, len(keys) - len(accepted))
                     break  # later blocks chain from this one: none can be mapped
+                if recent:
+                    recent.pop(engine_hash, None)
+                mapped[engine_hash] = key
             elif old != key:
                 self.stats.remapped += 1
                 self._forget(chains, engine_hash, ops)
+                mapped[engine_hash] = key
             place = _next_place(place, key)
-            chains.recent.pop(engine_hash, None)
-            chains.keys[engine_hash] = key
-            chains.places[engine_hash] = place
-            chains.tiers[engine_hash] = chains.tiers.get(engine_hash, 0) | bit
+            places[engine_hash] = place
+            tiers[engine_hash] = tiers.get(engine_hash, 0) | bit
             accepted.append(key)
             anchors.append(place >> _OFFSET_BITS)
         _emit(ops, "store", tier, accepted, anchors)
@@ -235,38 +239,44 @@ class Planner:
         _emit(ops, "store", tier, accepted, anchors)
 
     def _removed(self, chains: PodChains, ev: BlockRemoved, ops: list[IndexOp]) -> None:
-        self.stats.removed += 1
+        self.stats.removed += ev.events
         if ev.group_idx != 0:
-            self.stats.other_group += 1
+            self.stats.other_group += ev.events
             return
         tier = tier_of_medium(ev.medium, ev.locality)
         bit = TIER_BIT[tier]
         gone: list[int] = []
         anchors: list[int] = []
+        mapped, places, tiers = chains.keys, chains.places, chains.tiers
+        unknown = 0
         for engine_hash in ev.block_hashes:
-            mask = chains.tiers.get(engine_hash, 0)
+            mask = tiers.get(engine_hash, 0)
             if not mask & bit:
-                self.stats.removed_unknown += 1
+                unknown += 1
                 continue
-            gone.append(chains.keys[engine_hash])
-            anchors.append(_anchor(chains.places[engine_hash]))
             mask &= ~bit
             if mask:
-                chains.tiers[engine_hash] = mask
+                tiers[engine_hash] = mask
+                gone.append(mapped[engine_hash])
+                anchors.append(places[engine_hash] >> _OFFSET_BITS)
             else:
-                del chains.tiers[engine_hash]
-                self._retire(chains, engine_hash)
+                del tiers[engine_hash]
+                key, place = self._retire(chains, engine_hash)
+                gone.append(key)
+                anchors.append(place >> _OFFSET_BITS)
+        self.stats.removed_unknown += unknown
         _emit(ops, "remove", tier, gone, anchors)
 
-    def _retire(self, chains: PodChains, engine_hash: int) -> None:
-        """Drop a block's mapping, but keep it for events still to name it (bounded LRU)."""
-        key, place = chains.keys.pop(engine_hash), chains.places.pop(engine_hash)
-        if self.max_recent <= 0:
-            return
-        recent = chains.recent
-        recent[engine_hash] = (key, place)  # new here: it was in ``keys`` until now
-        while len(recent) > self.max_recent:
-            recent.popitem(last=False)
+    def _retire(self, chains: PodChains, engine_hash: int) -> tuple[int, int]:
+        """Drop a block's mapping, but keep it for events still to name it (bounded
+        LRU); returns its (key, place)."""
+        gone = chains.keys.pop(engine_hash), chains.places.pop(engine_hash)
+        if self.max_recent > 0:
+            recent = chains.recent
+            recent[engine_hash] = gone  # new here: it was in ``keys`` until now
+            if len(recent) > self.max_recent:
+                recent.popitem(last=False)
+        return gone
 
     def _cleared(self, chains: PodChains, ops: list[IndexOp]) -> None:
         """Prefix-cache reset: HBM only, offload tiers keep their blocks."""
