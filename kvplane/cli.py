@@ -93,6 +93,14 @@ def _bench_routing(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_index(args: argparse.Namespace) -> int:
+    from kvplane.bench import index
+
+    args.argv_echo = sys.argv[3:]
+    index.run(args)
+    return 0
+
+
 def _bench_pd(args: argparse.Namespace) -> int:
     from kvplane.bench import pd
 
@@ -235,6 +243,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd_arguments(d)
     d.set_defaults(handler=_bench_pd)
+    x = bsub.add_parser(
+        "index", help="the residency index: ingest rate, lookup latency, memory, shard skew"
+    )
+    from kvplane.bench.index import add_arguments as index_arguments
+
+    index_arguments(x)
+    x.set_defaults(handler=_bench_index)
     return p
 
 
