@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvplane.operator import api
 from kvplane.operator.conditions import Workload, pool_conditions, workload_of
 from kvplane.operator.desired import EnginePool, desired_objects
+from kvplane.operator.render import stores
 from kvplane.operator.settings import FIELD_MANAGER, MANAGED_BY, OperatorSettings
 from kvplane.router.kube import Kube, api_error_status
 from pydantic import ValidationError
@@ -108,6 +110,20 @@ async def _apply_all(
         await client.apply(obj, FIELD_MANAGER)
 
 
+async def _ensure_index_secret(client: Kube, namespace: str, inputs: Inputs) -> None:
+    """The managed Redis' password, made once: a random one, never rendered (rendering is
+    pure), kept for the pool's life (the Secret is the pool's, deleted with it)."""
+    if stores.managed_redis(inputs.spec) is None:
+        return
+    name = inputs.ipool["metadata"]["name"]
+    if await client.get("Secret", namespace, stores.index_secret_name(name)) is not None:
+        return
+    secret = stores.index_secret(name, namespace, secrets.token_urlsafe(32))
+    secret["metadata"]["ownerReferences"] = [_owner(inputs.ipool)]
+    await client.apply(secret, FIELD_MANAGER)
+    log.info("created the index password of %s/%s", namespace, name)
+
+
 async def _prune(client: Kube, namespace: str, name: str, desired: list[dict[str, Any]]) -> None:
     """Delete what this pool created earlier and no longer wants (a removed tier's store)."""
     keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
@@ -149,6 +165,7 @@ async def reconcile(client: Kube, settings: OperatorSettings, namespace: str, na
         inputs.problems.append(f"cannot render: {exc}")
         rendered = None
     if desired:
+        await _ensure_index_secret(client, namespace, inputs)
         await _apply_all(client, namespace, inputs, desired)
         await _prune(client, namespace, name, desired)
     workloads = await _workloads(client, namespace, desired)

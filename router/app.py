@@ -71,6 +71,7 @@ def make_redis_index(config: RouterConfig, generation: str, owner: str | None = 
         password=os.environ.get("KVPLANE_INDEX_PASSWORD") or None,
         window_s=config.cost.tentative_ttl_s,  # a mark lives at most one window
         owner=owner,
+        ca_file=config.index.tls_ca_file,
     )
 
 

@@ -366,7 +366,8 @@ NAMESPACED_RULES: set[Rule] = (
         for v in ("list", "create", "patch", "delete")
     }
     | {("", "pods", v) for v in ("get", "list", "watch")}
-    | {("", "secrets", "get"), ("", "events", "create")}
+    | {("", "secrets", v) for v in ("get", "create", "patch")}
+    | {("", "events", "create")}
 )
 KOPF_CLUSTER_RULES: set[Rule] = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),

@@ -137,13 +137,15 @@ class RedisIndex:
         window_s: float = DEFAULT_WINDOW_S,
         owner: str | None = None,
         batch_fields: int = DEFAULT_BATCH_FIELDS,
+        ca_file: str | None = None,
     ) -> None:
         """``clock`` (seconds) dates tentative marks: replicas must agree on it (wall
         clocks, or one simulation's). ``owner``: this indexer's id when the pods' streams
         are leased among several indexers (``kvevents.ownership``); starting or dropping
-        a pod's incarnation then needs its lease."""
+        a pod's incarnation then needs its lease. ``ca_file``: the CA a ``rediss://``
+        index's certificate chains to (default: the system's)."""
         self.url = url
-        self.nodes = Nodes(url, timeout_s=timeout_s, password=password)
+        self.nodes = Nodes(url, timeout_s=timeout_s, password=password, ca_file=ca_file)
         self.names = Names(generation)
         self._prefix = self.names.prefix
         self._clock = clock

@@ -55,7 +55,17 @@ class Script:
 class Nodes:
     """One pool per primary and the map from slot to node."""
 
-    def __init__(self, url: str, *, timeout_s: float, password: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_s: float,
+        password: str | None = None,
+        ca_file: str | None = None,
+    ) -> None:
+        tls: dict[str, Any] = {"ssl_ca_certs": ca_file} if ca_file else {}
+        if tls and not url.startswith("rediss://"):
+            raise ValueError("a CA file is for a rediss:// index")
         self._seed = aioredis.ConnectionPool.from_url(
             url,
             socket_timeout=timeout_s,
@@ -63,6 +73,7 @@ class Nodes:
             password=password,
             decode_responses=False,
             protocol=2,  # arrays for HGETALL and the scripts' tables alike
+            **tls,
         )
         self._pools: list[aioredis.ConnectionPool] = []
         self._slot_node: list[int] | None = None  # None: one server, not a cluster

@@ -98,10 +98,11 @@ app.kubernetes.io/part-of: kvplane
   resources: [pods]
   verbs: [get, list, watch]
 # The password of an external index (spec.index.external.passwordSecretRef): deleting
-# such a pool removes its residency keys from that Redis.
+# such a pool removes its residency keys from that Redis. The managed Redis' password:
+# the operator creates its Secret once (create: server-side apply of a new object).
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [get]
+  verbs: [get, create, patch]
 # kopf reports handler failures as Events.
 - apiGroups: [""]
   resources: [events]
