@@ -8,6 +8,8 @@ into the local control plane (docs/k8s-test-env.md).
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import os
 import re
@@ -22,8 +24,12 @@ from pathlib import Path
 import pytest
 import yaml
 from kopf.testing import KopfRunner
+from kvplane.router.index.base import Blocks
+from kvplane.router.index.redis import RedisIndex
+from kvplane.router.tiers import Tier
 from support.k8s_cluster import K8sCluster, K8sError, find_bin_dir
 
+from kvplane.local import redis as local_redis
 from kvplane.types import Json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,6 +143,12 @@ MODES: dict[str, dict[str, str]] = {
         "dashboards.annotations.grafana_folder": "kvplane",
     },
     "minimal": {"dashboards.enabled": "false", "rbac.create": "false"},
+    "redis-cluster": {
+        "redis.enabled": "true",
+        "redis.cluster.enabled": "true",
+        "redis.cluster.shards": "5",
+        "redis.cluster.storage": "64Mi",
+    },
 }
 
 
@@ -444,6 +456,69 @@ def test_optional_redis_and_samples(render: Render) -> None:
     assert pool["metadata"]["namespace"] == decode["metadata"]["namespace"] == "ml"
     assert decode["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
     assert pool["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+
+
+def test_optional_redis_requires_a_generated_password(render: Render) -> None:
+    objs = render(**{"redis.enabled": "true"})
+    secret = one(objs, "Secret", f"{RELEASE}-kvplane-redis-auth")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    conf = base64.b64decode(secret["data"]["redis.conf"]).decode()
+    assert len(password) == 32 and f"requirepass {password}" in conf
+    (c,) = one(objs, "Deployment", f"{RELEASE}-kvplane-redis")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert c["args"][:2] == ["redis-server", "/etc/kvplane-redis/redis.conf"]
+    assert "--protected-mode" not in c["args"] and password not in json.dumps(c)
+    assert c["env"][0]["name"] == "REDISCLI_AUTH"
+
+
+def test_optional_redis_cluster(render: Render) -> None:
+    objs = render(**MODES["redis-cluster"], namespace="ml")
+    name = f"{RELEASE}-kvplane-redis"
+    sts = one(objs, "StatefulSet", name)
+    assert sts["spec"]["replicas"] == 5 and sts["spec"]["serviceName"] == f"{name}-nodes"
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--cluster-enabled") + 1] == "yes"
+    claim = sts["spec"]["volumeClaimTemplates"][0]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "64Mi"
+    headless = one(objs, "Service", f"{name}-nodes")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    job = one(objs, "Job", f"{name}-create")
+    (j,) = job["spec"]["template"]["spec"]["containers"]
+    nodes = env_of(j)["NODES"].split()
+    assert nodes == [f"{name}-{i}.{name}-nodes.ml.svc:6379" for i in range(5)]
+    assert not find(objs, "Deployment", name)
+
+
+def test_the_cluster_job_forms_a_cluster_the_index_uses(render: Render, tmp_path: Path) -> None:
+    """The Job's script, run against three redis-servers in cluster mode with the chart's
+    password config: the cluster forms, a second run leaves it alone, and the index
+    spreads over its nodes."""
+    objs = render(**MODES["redis-cluster"])
+    script = one(objs, "Job")["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    secret = one(objs, "Secret")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    conf = tmp_path / "redis.conf"
+    conf.write_bytes(base64.b64decode(secret["data"]["redis.conf"]))
+    with local_redis.running(3, form=False, config_file=str(conf), password=password) as nodes:
+        env = {**os.environ, "REDISCLI_AUTH": password}
+        env["NODES"] = " ".join(f"127.0.0.1:{p}" for p in nodes.ports)
+        for _ in range(2):  # forms the cluster, then finds it formed
+            done = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout + done.stderr
+
+        async def use() -> None:
+            index = RedisIndex(nodes.url, "chart", password=password)
+            keys = list(range(1 << 40, (1 << 40) + 64 * 16, 16))
+            try:
+                await index.begin_incarnation("a", "1")
+                await index.store("a", "1", Blocks.of_prompt(keys), Tier.HBM)
+                assert (await index.lookup(keys, ["a"]))["a"][Tier.HBM] == len(keys)
+                assert index.nodes.cluster and index.nodes.count == 3
+            finally:
+                await index.close()
+
+        asyncio.run(use())
 
 
 def dashboard_files() -> dict[str, Json]:

@@ -28,6 +28,7 @@ class LocalRedis:
     workdir: Path
     cluster: bool = False
     logs: list[Path] = field(default_factory=list)
+    password: str | None = None
 
     @property
     def url(self) -> str:
@@ -39,7 +40,7 @@ class LocalRedis:
         return self.ports[0]
 
     def clients(self) -> list[redis.Redis]:
-        return [redis.Redis(host=HOST, port=p) for p in self.ports]
+        return [redis.Redis(host=HOST, port=p, password=self.password) for p in self.ports]
 
     def used_memory(self) -> int:
         """Bytes of ``used_memory`` over every node."""
@@ -87,8 +88,17 @@ def _wait(check: Callable[[], object], what: str, timeout_s: float = 20.0) -> No
     raise RuntimeError(f"redis: {what} not reached in {timeout_s}s ({last})")
 
 
-def start(shards: int = 0, extra_args: Sequence[str] = ()) -> LocalRedis:
-    """One plain server (``shards=0``) or a cluster of ``shards`` primaries."""
+def start(
+    shards: int = 0,
+    extra_args: Sequence[str] = (),
+    *,
+    form: bool = True,
+    config_file: str | None = None,
+    password: str | None = None,
+) -> LocalRedis:
+    """One plain server (``shards=0``) or a cluster of ``shards`` primaries (``form``:
+    slots assigned and nodes met; else left to the caller). ``config_file`` comes first
+    on each server's command line; ``password`` is what its clients authenticate with."""
     exe = shutil.which("redis-server")
     if exe is None:
         raise RuntimeError("redis-server not found (apt install redis-server)")
@@ -100,7 +110,8 @@ def start(shards: int = 0, extra_args: Sequence[str] = ()) -> LocalRedis:
     for i, port in enumerate(ports):
         node_dir = workdir / str(port)
         node_dir.mkdir()
-        argv = [exe, "--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"]
+        argv = [exe] if config_file is None else [exe, config_file]
+        argv += ["--port", str(port), "--bind", HOST, "--save", "", "--appendonly", "no"]
         argv += ["--dir", str(node_dir), "--logfile", str(node_dir / "redis.log")]
         if shards:
             argv += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
@@ -108,12 +119,12 @@ def start(shards: int = 0, extra_args: Sequence[str] = ()) -> LocalRedis:
         argv += list(extra_args)
         logs.append(node_dir / "redis.log")
         procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    local = LocalRedis(ports, procs, workdir, cluster=bool(shards), logs=logs)
+    local = LocalRedis(ports, procs, workdir, cluster=bool(shards), logs=logs, password=password)
     try:
         clients = local.clients()
         for client in clients:
             _wait(client.ping, "PONG")
-        if shards:
+        if shards and form:
             _form_cluster(clients, ports, bus_ports)
         for client in clients:
             client.close()
@@ -145,8 +156,15 @@ def _form_cluster(clients: list[redis.Redis], ports: list[int], bus_ports: list[
 
 
 @contextmanager
-def running(shards: int = 0, extra_args: Sequence[str] = ()) -> Iterator[LocalRedis]:
-    local = start(shards, extra_args)
+def running(
+    shards: int = 0,
+    extra_args: Sequence[str] = (),
+    *,
+    form: bool = True,
+    config_file: str | None = None,
+    password: str | None = None,
+) -> Iterator[LocalRedis]:
+    local = start(shards, extra_args, form=form, config_file=config_file, password=password)
     try:
         yield local
     finally:
