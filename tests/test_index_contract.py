@@ -226,3 +226,27 @@ async def test_random_writes_agree_with_reference_semantics(index: ResidencyInde
     finally:
         if idx is not index:
             await idx.close()
+
+
+@pytest.mark.parametrize("where", ["redis", "redis-cluster"])
+async def test_router_replicas_see_one_index(where: str, request: pytest.FixtureRequest) -> None:
+    """An indexer writes, two router replicas read: they get the same answers, each sees
+    the other's marks, and a new incarnation hides the old one from both at once."""
+    fixture = "redis_server" if where == "redis" else "redis_cluster"
+    url = request.getfixturevalue(fixture).url
+    gen = f"replicas{id(request):x}"
+    indexer, one, two = (RedisIndex(url, gen) for _ in range(3))
+    rnd = random.Random(5)
+    keys = [rnd.getrandbits(64) for _ in range(3 * CHUNK)]
+    try:
+        await indexer.begin_incarnation("a", "1")
+        await indexer.store("a", "1", at(keys, 0, 40), H)
+        assert await one.lookup(keys, ["a", "b"]) == await two.lookup(keys, ["a", "b"])
+        await one.mark_tentative("b", at(keys, 0, 20), ttl_s=30)
+        assert (await two.lookup(keys, ["b"]))["b"][H] == 20
+        await indexer.begin_incarnation("a", "2")
+        for replica in (one, two):
+            assert (await replica.lookup(keys, ["a"]))["a"][R] == 0
+    finally:
+        for idx in (indexer, one, two):
+            await idx.close()

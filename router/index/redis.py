@@ -138,18 +138,24 @@ class RedisIndex:
         owner: str | None = None,
         batch_fields: int = DEFAULT_BATCH_FIELDS,
         ca_file: str | None = None,
+        mark_keys_ttl_s: float | None = None,
     ) -> None:
         """``clock`` (seconds) dates tentative marks: replicas must agree on it (wall
         clocks, or one simulation's). ``owner``: this indexer's id when the pods' streams
         are leased among several indexers (``kvevents.ownership``); starting or dropping
         a pod's incarnation then needs its lease. ``ca_file``: the CA a ``rediss://``
-        index's certificate chains to (default: the system's)."""
+        index's certificate chains to (default: the system's). ``mark_keys_ttl_s``: how
+        long (wall time) a window of marks is kept; two windows and a second by default
+        (a simulation whose clock may run slower than the wall's keeps them longer)."""
         self.url = url
         self.nodes = Nodes(url, timeout_s=timeout_s, password=password, ca_file=ca_file)
         self.names = Names(generation)
         self._prefix = self.names.prefix
         self._clock = clock
         self._window_ms = max(1, int(window_s * 1000))
+        self._mark_keys_ms = (
+            2 * self._window_ms + 1000 if mark_keys_ttl_s is None else int(mark_keys_ttl_s * 1000)
+        )
         self._owner = owner
         self._batch_fields = batch_fields
         self._writing: dict[str, tuple[str, int]] = {}  # pod -> (incarnation, slot)
@@ -335,7 +341,7 @@ class RedisIndex:
         ttl_ms = min(int(ttl_s * 1000), self._window_ms)
         slot_b, expiry_b = tentative_entry(slot, now_ms + ttl_ms)
         head: list[Arg] = [self._prefix, window_suffix(now_ms // self._window_ms)]
-        head += [2 * self._window_ms + 1000, slot_b, expiry_b]
+        head += [self._mark_keys_ms, slot_b, expiry_b]
         op = _Op(slot, 0, True, blocks)
 
         async def once() -> None:
