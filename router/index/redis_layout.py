@@ -200,16 +200,20 @@ def prefixes(
         cols = colmap[entries >> N_TIERS]
         keep = cols >= 0
         cells[rows[keep], cols[keep]] = CUMULATIVE[entries[keep] & FIELD]
-    for chunk, values in found.marks:
+    if found.marks:
+        values = [v for _, chunk_values in found.marks for v in chunk_values]
         marked = b"".join(v for v in values if v)
-        if not marked:
-            continue
-        sizes = np.fromiter((len(v) >> 3 if v else 0 for v in values), np.intp, len(values))
-        marks = np.frombuffer(marked, dtype=">u8")
-        rows = np.repeat(np.arange(chunk * CHUNK, chunk * CHUNK + len(values)), sizes)
-        cols = colmap[marks >> EXPIRY_BITS]
-        keep = (cols >= 0) & ((marks & ((1 << EXPIRY_BITS) - 1)) > now_ms)
-        cells[rows[keep], cols[keep]] = FIELD  # held in HBM: counts in every tier
+        if marked:
+            firsts = [chunk * CHUNK for chunk, _ in found.marks]
+            counts = [len(chunk_values) for _, chunk_values in found.marks]
+            blocks = np.arange(len(values)) - np.repeat(np.cumsum([0, *counts[:-1]]), counts)
+            blocks += np.repeat(firsts, counts)
+            sizes = np.fromiter((len(v) >> 3 if v else 0 for v in values), np.intp, len(values))
+            marks = np.frombuffer(marked, dtype=">u8")
+            rows = np.repeat(blocks, sizes)
+            cols = colmap[marks >> EXPIRY_BITS]
+            keep = (cols >= 0) & ((marks & ((1 << EXPIRY_BITS) - 1)) > now_ms)
+            cells[rows[keep], cols[keep]] = FIELD  # held in HBM: counts in every tier
     active = np.flatnonzero(cells[0])  # a prefix starts at the first block
     if active.size:
         sub: npt.NDArray[np.uint8] = cells[:, active]

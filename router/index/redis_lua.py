@@ -59,8 +59,10 @@ for c = 1, #per do
   end
   local t1, t0 = name .. sfx1, name .. sfx0
   local m1, m0 = 0, 0
-  if redis.call('EXISTS', t1) == 1 then m1 = redis.call('HMGET', t1, unpack(f)) end
-  if redis.call('EXISTS', t0) == 1 then m0 = redis.call('HMGET', t0, unpack(f)) end
+  if redis.call('EXISTS', t1, t0) > 0 then
+    if redis.call('EXISTS', t1) == 1 then m1 = redis.call('HMGET', t1, unpack(f)) end
+    if redis.call('EXISTS', t0) == 1 then m0 = redis.call('HMGET', t0, unpack(f)) end
+  end
   out[c] = {redis.call('HMGET', name, unpack(f)), m1, m0}
 end
 if ARGV[7] ~= '' then
