@@ -104,7 +104,7 @@ def _handoff_or_local(
     a request could decode on, but it is no reason to hand off: a handoff buys a less
     loaded decode pod with certain TTFT (a second leg, a transfer, a decode step):
     counted in, shared-prefix cache hits resident on a busier decode pod get handed off
-    (bench/RESULTS.md, P/D in virtual time)."""
+    (bench/HISTORY.md, P/D points 9-10)."""
     handoff = next((o for o in options if o.prefill is not None), None)
     local = next((o for o in options if o.prefill is None), None)
     if handoff is None or local is None:
@@ -128,8 +128,8 @@ def _alone_on_prefill(
     of its pool have no prefill in flight. A prefill pod holds every prefix it computed,
     so a shared prefix's follow-ups can use the idle prefill pool's GPUs instead of
     queueing on the one decode pod its first request went to. A busy pool keeps them: a
-    decode there would sit through long prefills and slow them (bench/RESULTS.md, P/D
-    in virtual time, records both)."""
+    decode there would sit through long prefills and slow them (bench/HISTORY.md, P/D
+    point 11)."""
     pd = model.pd
     if not pd.prefill_serves_resident or not alone_loads:
         return []
