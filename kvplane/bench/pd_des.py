@@ -2,10 +2,11 @@
 
 The HTTP benchmark replays through the live router and a simulated fleet on this
 machine's two cores; its figures move from run to run with the machine's load by
-about the size of the TTFT target itself, and it cannot simulate large fleets. This mode runs kvplane's own P/D choice against
-the same engine model in virtual time: the same arguments give the same figures,
-fleets of any size, several P:D splits and workload seeds per fleet, and pods placed
-on nodes (``--gpus-per-node``) with NVLink inside a node and NICs between nodes.
+about the size of the TTFT target itself, and it cannot simulate large fleets. This
+mode runs kvplane's own P/D choice against the same engine model in virtual time: the
+same arguments give the same figures, fleets of any size, several P:D splits and
+workload seeds per fleet, and pods placed on nodes (``--gpus-per-node``) with NVLink
+inside a node and NICs between nodes.
 
 Rows accumulate in ``bench/results/pd-des-<date>.json``: a run replaces the rows of
 the same fleet, workload slice, split, seed and mode, so one file holds a sweep made
