@@ -1,13 +1,14 @@
 # The two commands a new machine needs (see README.md):
 #   make demo   start local vLLM engines, indexer and router; compare with round-robin
 #   make test   ruff, mypy and the whole pytest suite (real Redis, real vLLM engines)
+#   make image  build the image from the Dockerfile with buildah (no Docker daemon)
 SHELL := /bin/bash
 CACHE ?= $(HOME)/.cache/kvplane
 VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-k8s demo test lint typecheck bench-overhead
+.PHONY: setup setup-vllm setup-k8s setup-apt demo test lint typecheck image bench-overhead
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -17,6 +18,13 @@ setup-vllm: setup
 
 setup-k8s:
 	@bash scripts/setup-k8s.sh >/dev/null
+
+# buildah + debootstrap (the image test) and prometheus (the dashboard test), if missing
+setup-apt:
+	@bash scripts/setup-apt.sh
+
+image: setup-apt
+	@bash scripts/build-image.sh
 
 demo: setup-vllm
 	$(VENV)/bin/kvplane demo $(DEMO_ARGS)
@@ -35,7 +43,7 @@ typecheck: setup
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
 		$(ROOT)/e2e/conftest.py $(ROOT)/e2e/test_suite.py
 
-test: setup-vllm setup-k8s lint typecheck
+test: setup-vllm setup-k8s setup-apt lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench-overhead: setup
