@@ -19,9 +19,11 @@ setup-vllm: setup
 setup-k8s:
 	@bash scripts/setup-k8s.sh >/dev/null
 
-# buildah + debootstrap (the image test) and prometheus (the dashboard test), if missing
+# buildah + debootstrap (the image test), prometheus and Grafana's dashboard schema (the
+# dashboard tests), each only if missing
 setup-apt:
 	@bash scripts/setup-apt.sh
+	@bash scripts/setup-dashboard-schema.sh >/dev/null
 
 image: setup-apt
 	@bash scripts/build-image.sh

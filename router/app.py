@@ -218,6 +218,7 @@ def create_app(
                 await response(scope, receive, send)
                 return
             routed = await router.pipeline.route(req, defer_tail=True)
+            router.metrics.chose(routed.decision.terms.get(routed.decision.pod), req.max_tokens)
             answer = _Answer(router, routed, request_id)
             lines = header_lines(raw_headers, request_id.encode("latin-1"))
             dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)

@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "kvplane"
 CRDS = REPO / "crds"
 CONFIG = REPO / "config"
+SGLANG_METRICS = Path(__file__).parent / "data" / "sglang-metrics.txt"
 VLLM_METRICS = Path(__file__).parent / "data" / "vllm-0.32-metrics.txt"
 MODEL = {"servedName": "llama", "source": "meta-llama/Llama-3.1-8B", "kvBytesPerToken": 131072}
 RELEASE = "kvp"
@@ -452,7 +453,7 @@ def dashboard_files() -> dict[str, Json]:
 
 def test_dashboards_are_configmaps_for_the_grafana_sidecar(render: Render) -> None:
     boards = dashboard_files()
-    assert set(boards) == {"router", "engines"}
+    assert set(boards) == {"router", "engines", "engines-sglang", "pd", "tiers"}
     cms = {c["metadata"]["name"]: c for c in find(render(), "ConfigMap")}
     assert set(cms) == {f"{RELEASE}-kvplane-dashboard-{n}" for n in boards}
     for name, board in boards.items():
@@ -511,8 +512,9 @@ def test_promql_metric_extraction() -> None:
 
 
 def known_metrics() -> set[str]:
-    """Every series name kvplane and vLLM 0.32 export."""
-    from kvplane.router.telemetry import RouterMetrics
+    """Every series name kvplane, vLLM 0.32 and SGLang export."""
+    from kvplane.router.telemetry import RouterMetrics, indexer_blocks
+    from prometheus_client import CollectorRegistry
 
     suffixes = {
         "counter": ("_total", "_created"),
@@ -520,14 +522,18 @@ def known_metrics() -> set[str]:
         "gauge": ("",),
     }
     names: set[str] = set()
-    for family in RouterMetrics("p", "m").registry.collect():
-        names |= {family.name + s for s in suffixes[family.type]}
+    indexer_registry = CollectorRegistry()
+    indexer_blocks(indexer_registry)
+    for registry in (RouterMetrics("p", "m").registry, indexer_registry):
+        for family in registry.collect():
+            names |= {family.name + s for s in suffixes[family.type]}
     indexer = (REPO / "router" / "indexer_main.py").read_text()
     for name in re.findall(r'CounterMetricFamily\(\s*"(kvplane_\w+)"', indexer):
         names.add(name + "_total")
-    for line in VLLM_METRICS.read_text().splitlines():
-        if line and not line.startswith("#"):
-            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    for page in (VLLM_METRICS, SGLANG_METRICS):
+        for line in page.read_text().splitlines():
+            if line and not line.startswith("#"):
+                names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
     return names
 
 
@@ -579,10 +585,65 @@ def test_dashboards_show_what_operators_need() -> None:
         r"rate\(vllm:prefix_cache_hits_total[^/]*/ *sum\(rate\(vllm:prefix_cache_queries_total",
         engines,
     ), "prefix cache hit rate = hits / queries"
+    sglang = " ".join(exprs(boards["engines-sglang"]))
+    for needed in ("sglang:num_queue_reqs", "sglang:token_usage", "sglang:cached_tokens_total"):
+        assert needed in sglang, needed
+    assert "vllm:" not in sglang
+    pd = " ".join(exprs(boards["pd"]))
+    for needed in (
+        "kvplane_router_pd_decisions_total",
+        "kvplane_router_pd_pairs_total",
+        "kvplane_router_pd_predicted_transfer_bytes_total",
+        "kvplane_router_pd_predicted_transfer_seconds_bucket",
+        "kvplane_router_pd_leg_failures_total",
+    ):
+        assert needed in pd, needed
+    tiers = " ".join(exprs(boards["tiers"]))
+    for needed in (
+        "kvplane_router_tier_hit_tokens_total",
+        "kvplane_router_tier_loads_total",
+        "kvplane_router_tier_load_seconds_bucket",
+        'kvplane_indexer_blocks_total{event="removed"}',
+    ):
+        assert needed in tiers, needed
+    assert "kvplane_router_predicted_ttft_seconds_bucket" in router
     for board in boards.values():
         for panel in board["panels"]:
             for target in panel.get("targets", []):
                 assert target["datasource"]["uid"] == "${datasource}"
+
+
+@pytest.mark.parametrize("watch", [[], ["team-a", "team-b"]])
+def test_pod_monitors_scrape_what_the_dashboards_group_by(render: Render, watch: list[str]) -> None:
+    """Off by default; on, one PodMonitor per component of the pools the operator renders,
+    with the routers' own pod label (the backend) honoured."""
+    assert not find(render(), "PodMonitor")
+    values = {
+        "monitoring.podMonitors.enabled": "true",
+        "monitoring.podMonitors.labels.release": "kps",
+    }
+    if watch:
+        values["watchNamespaces"] = "{" + ",".join(watch) + "}"
+    monitors = {m["metadata"]["name"]: m for m in find(render(**values), "PodMonitor")}
+    assert set(monitors) == {f"{RELEASE}-kvplane-{c}" for c in ("engines", "routers", "indexers")}
+    from kvplane.operator.render import names
+
+    for component, roles, port, honor in (
+        ("engines", ["prefill", "decode"], names.PORT_HTTP, False),
+        ("routers", ["router"], names.PORT_HTTP, True),
+        ("indexers", ["indexer"], names.PORT_METRICS, False),
+    ):
+        m = monitors[f"{RELEASE}-kvplane-{component}"]
+        assert m["apiVersion"] == "monitoring.coreos.com/v1"
+        assert m["metadata"]["labels"]["release"] == "kps"
+        spec = m["spec"]
+        assert spec["namespaceSelector"] == ({"matchNames": watch} if watch else {"any": True})
+        exprs_ = {e["key"]: e["values"] for e in spec["selector"]["matchExpressions"]}
+        assert exprs_[names.LABEL_ROLE] == roles
+        assert exprs_[names.APP_PART_OF] == [names.PART_OF]
+        (endpoint,) = spec["podMetricsEndpoints"]
+        assert endpoint["port"] == port and endpoint["path"] == "/metrics"
+        assert endpoint["honorLabels"] is honor
 
 
 # --- kustomize ------------------------------------------------------------------------------------

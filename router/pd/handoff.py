@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -71,6 +72,7 @@ class PDRouted:
     decision: PDDecision
     matches: PrefixMatches | None
     booking: Booking = field(default_factory=Booking)
+    max_tokens: int | None = None  # as requested (telemetry)
 
 
 @dataclass
@@ -177,7 +179,8 @@ class PDService:
 
     async def route(self, req: ParsedRequest) -> PDRouted:
         tokens, keys = await self.pipeline.tokens_and_keys(req)
-        return await self.decide(tokens, keys, protocols.multi_sequence(req.body))
+        routed = await self.decide(tokens, keys, protocols.multi_sequence(req.body))
+        return dataclasses.replace(routed, max_tokens=req.max_tokens)
 
     async def decide(self, tokens: list[int], keys: list[int], multi: bool = False) -> PDRouted:
         prefill, decode = self.candidates()
@@ -595,12 +598,16 @@ class PDService:
         m.pd_decisions.labels(**m.labels, reason=served.reason).inc()
         m.decisions.labels(**m.labels, reason=served.reason, pod=served.decode).inc()
         if served.prefill is None:
-            return routed.decision.aggregated.get(served.decode)
-        option = _pair_option(routed.decision, served.prefill, served.decode)
+            option = routed.decision.aggregated.get(served.decode)
+        else:
+            option = _pair_option(routed.decision, served.prefill, served.decode)
+            m.pd_pairs.labels(**m.labels, prefill=served.prefill, decode=served.decode).inc()
         if option is not None and option.link is not None:
             link = option.link.value
             m.pd_transfer_bytes.labels(**m.labels, link=link).inc(option.transfer_bytes)
             m.pd_transfer_seconds.labels(**m.labels, link=link).observe(option.transfer_ms / 1000)
+        terms = option.prefill_terms if option is not None else None
+        m.chose(terms, routed.max_tokens, option.ttft_ms if option is not None else None)
         return option
 
     async def _respond(
