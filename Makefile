@@ -8,7 +8,7 @@ VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-k8s setup-apt demo test lint typecheck image bench-overhead
+.PHONY: setup setup-vllm setup-k8s setup-tools demo test lint typecheck image bench-overhead
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -19,13 +19,15 @@ setup-vllm: setup
 setup-k8s:
 	@bash scripts/setup-k8s.sh >/dev/null
 
-# buildah + debootstrap (the image test), prometheus and Grafana's dashboard schema (the
-# dashboard tests), each only if missing
-setup-apt:
+# What some tests run for real, each installed or built only if missing: buildah and
+# debootstrap (the image), prometheus, Grafana's dashboard schema and the Prometheus
+# adapter (dashboards and autoscaling)
+setup-tools:
 	@bash scripts/setup-apt.sh
 	@bash scripts/setup-dashboard-schema.sh >/dev/null
+	@bash scripts/setup-prometheus-adapter.sh >/dev/null
 
-image: setup-apt
+image: setup-tools
 	@bash scripts/build-image.sh
 
 demo: setup-vllm
@@ -45,7 +47,7 @@ typecheck: setup
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
 		$(ROOT)/e2e/conftest.py $(ROOT)/e2e/test_suite.py
 
-test: setup-vllm setup-k8s setup-apt lint typecheck
+test: setup-vllm setup-k8s setup-tools lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench-overhead: setup

@@ -130,6 +130,15 @@ def _operator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _adapter_rules(args: argparse.Namespace) -> int:
+    import yaml
+
+    from kvplane.operator.render.autoscaling import ADAPTER_HEADER, prometheus_adapter_config
+
+    print(ADAPTER_HEADER + yaml.safe_dump(prometheus_adapter_config(), sort_keys=False), end="")
+    return 0
+
+
 def _crds(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -213,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="crds", help="directory (default: crds)")
     c.add_argument("--check", action="store_true", help="fail if the files are stale")
     c.set_defaults(handler=_crds)
+    a = sub.add_parser(
+        "adapter-rules",
+        help="print the Prometheus adapter config serving the autoscaling signals",
+    )
+    a.set_defaults(handler=_adapter_rules)
 
     b = sub.add_parser("bench", help="benchmarks (print figures, write bench/results)")
     bsub = b.add_subparsers(dest="bench", required=True)

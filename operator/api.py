@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict, JsonValue
 
+from kvplane.sim.profiles import PROFILES
+
 GROUP = "kvplane.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -196,8 +198,56 @@ class PoolRefs(Model):
     decode: list[LocalObjectRef] = Field(default_factory=list)
 
 
+class ServiceLevel(Model):
+    """The pool's latency targets: the predictedTTFT autoscaling signal and the P:D
+    planner aim at them."""
+
+    ttft_ms: Annotated[float, Field(gt=0, description="time to first token, p90")]
+    itl_ms: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="inter-token latency, p99"
+    )
+
+
+class PlannerMode(StrEnum):
+    RECOMMEND = "recommend"  # publish the plan in status and as a metric
+    APPLY = "apply"  # and size the prefill and decode Deployments by it
+
+
+class PlannerSpec(Model):
+    """The P:D planner (docs/deploy.md, Operations): from the router's observed workload,
+    the prefill and decode replicas that meet ``slo``, found in the P/D simulation."""
+
+    model_config = validated(
+        cel("self.maxReplicas >= self.minReplicas", "maxReplicas must be >= minReplicas")
+    )
+
+    mode: PlannerMode = PlannerMode.RECOMMEND
+    interval_seconds: Annotated[int, Field(ge=10, le=86400)] = 120
+    min_replicas: Annotated[int, Field(ge=2, le=1000)] = 2
+    max_replicas: Annotated[int, Field(ge=2, le=1000)] = 16
+    profile: str = Field(
+        default="h100-llama-3.1-8b",
+        description="the simulator's engine profile the plan is made with (kvplane sim)",
+        json_schema_extra={"enum": list[JsonValue](sorted(PROFILES))},
+    )
+    gpus_per_node: Annotated[int, Field(ge=0, le=64)] = 8
+
+
+class TracingSpec(Model):
+    """OpenTelemetry traces: the router's spans per request, exported over OTLP, and the
+    engines' own (vLLM ``--otlp-traces-endpoint``), joined by W3C trace context."""
+
+    endpoint: Annotated[
+        str, Field(pattern=r"^https?://", description="OTLP/HTTP collector, e.g. http://otel:4318")
+    ]
+    sampling_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    engines: bool = Field(default=True, description="the engines export their spans too")
+
+
 class InferencePoolSpec(Model):
     """One served model: engine, model identity, router and residency index."""
+
+    model_config = validated(cel("!has(self.planner) || has(self.slo)", "the planner needs slo"))
 
     model: ModelIdentity
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -208,6 +258,9 @@ class InferencePoolSpec(Model):
     kv_cache_tiers: list[LocalObjectRef] = Field(default_factory=list)
     router: RouterSpec = Field(default_factory=RouterSpec)
     index: IndexSpec = Field(default_factory=IndexSpec)
+    slo: ServiceLevel | None = None
+    planner: PlannerSpec | None = Field(default=None, description="needs slo")
+    tracing: TracingSpec | None = None
 
 
 class Condition(Model):
@@ -226,6 +279,19 @@ class PoolStatusEntry(Model):
     ready_replicas: int = 0
 
 
+class PlanStatus(Model):
+    """The P:D planner's last recommendation."""
+
+    prefill_replicas: int
+    decode_replicas: int
+    meets_targets: bool
+    predicted_ttft_p90_ms: float | None = None
+    predicted_itl_p99_ms: float | None = None
+    observed: str = Field(default="", description="the workload it was planned for")
+    applied: bool = False
+    planned_at: str | None = None
+
+
 class InferencePoolStatus(Model):
     observed_generation: int | None = None
     generation_tag: str | None = None
@@ -233,6 +299,7 @@ class InferencePoolStatus(Model):
     mode: str | None = Field(default=None, description="aggregated or disaggregated")
     pools: list[PoolStatusEntry] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
+    plan: PlanStatus | None = None
 
 
 # --- PrefillPool / DecodePool ----------------------------------------------------
@@ -241,6 +308,7 @@ class InferencePoolStatus(Model):
 class ScaleSignal(StrEnum):
     KV_CACHE_PRESSURE = "kvCachePressure"
     QUEUE_DEPTH = "queueDepth"
+    PREDICTED_TTFT = "predictedTTFT"  # the router's predicted TTFT p90 against the pool's SLO
 
 
 class Autoscaling(Model):
@@ -252,7 +320,10 @@ class Autoscaling(Model):
     max_replicas: Annotated[int, Field(ge=1, le=1000)]
     signal: ScaleSignal = ScaleSignal.KV_CACHE_PRESSURE
     target: Annotated[float, Field(gt=0)] = Field(
-        default=0.8, description="kv cache usage (0..1) or waiting requests per replica"
+        default=0.8,
+        description="kv cache usage (0..1), waiting requests per replica, or (predictedTTFT) "
+        "the router's predicted TTFT p90 in seconds; predictedTTFT defaults to the "
+        "InferencePool's slo.ttftMs",
     )
 
 

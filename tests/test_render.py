@@ -630,5 +630,5 @@ def test_autoscaled_pools_get_an_hpa_on_their_signal() -> None:
     assert hpa["spec"]["scaleTargetRef"]["name"] == N.decode_name(POOL, "d")
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
     pods = hpa["spec"]["metrics"][0]["pods"]
-    assert pods["metric"]["name"] == "vllm_num_requests_waiting"
+    assert pods["metric"]["name"] == "vllm_num_requests_waiting"  # vllm:, colon-free
     assert pods["target"]["averageValue"] == "4000m"

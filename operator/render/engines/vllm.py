@@ -222,11 +222,9 @@ def vllm_env(e: EnginePod) -> list[Json]:
 class VllmAdapter:
     kind: ClassVar[Engine] = Engine.VLLM
     command: ClassVar[list[str]] = COMMAND
-    # ":" is not allowed in custom metric names: vllm:kv_cache_usage_perc becomes
-    # vllm_kv_cache_usage_perc behind a Prometheus adapter
     scale_metrics: ClassVar[Mapping[ScaleSignal, str]] = {
-        ScaleSignal.KV_CACHE_PRESSURE: "vllm_kv_cache_usage_perc",
-        ScaleSignal.QUEUE_DEPTH: "vllm_num_requests_waiting",
+        ScaleSignal.KV_CACHE_PRESSURE: "vllm:kv_cache_usage_perc",
+        ScaleSignal.QUEUE_DEPTH: "vllm:num_requests_waiting",
     }
 
     def args(self, pod: EnginePod) -> list[str]:
