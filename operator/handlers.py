@@ -9,7 +9,7 @@ import logging
 from typing import Any
 
 import kopf
-from kvplane.operator import api
+from kvplane.operator import api, planner_hook
 from kvplane.operator.reconcile import POOL_LABEL, Reconciler
 from kvplane.operator.settings import MANAGED_BY, OperatorSettings
 from kvplane.router.index.redis import forget_generation
@@ -57,6 +57,7 @@ async def startup(*_: Any, **kw: Any) -> None:
     settings.watching.client_timeout = 330
     memo.reconciler = Reconciler(await Kube.connect(), _settings)
     memo.resync = asyncio.create_task(_resync_loop(memo.reconciler), name="kvplane-resync")
+    memo.planner = planner_hook.start(memo.reconciler.client, [*_settings.namespaces] or [None])
 
 
 async def _resync_loop(reconciler: Reconciler) -> None:
@@ -78,6 +79,7 @@ async def _resync_loop(reconciler: Reconciler) -> None:
 @kopf.on.cleanup()
 async def cleanup(*_: Any, **kw: Any) -> None:
     kw["memo"].resync.cancel()
+    kw["memo"].planner.cancel()
     await _reconciler(kw).client.close()
 
 

@@ -351,6 +351,7 @@ NAMESPACED_RULES: set[Rule] = (
         for r in ("prefillpools", "decodepools", "kvcachetiers")
         for v in ("get", "list", "watch")
     }
+    | {("kvplane.io", r, "patch") for r in ("prefillpools", "decodepools")}  # the planner
     | {
         ("kvplane.io", f"{r}/status", "patch")
         for r in ("inferencepools", "prefillpools", "decodepools")

@@ -70,8 +70,12 @@ app.kubernetes.io/part-of: kvplane
   resources: [inferencepools]
   verbs: [get, list, watch, patch]
 - apiGroups: [kvplane.io]
-  resources: [prefillpools, decodepools, kvcachetiers]
+  resources: [kvcachetiers]
   verbs: [get, list, watch]
+# The P:D planner in apply mode sets spec.replicas of an engine pool (server-side apply).
+- apiGroups: [kvplane.io]
+  resources: [prefillpools, decodepools]
+  verbs: [get, list, watch, patch]
 # Reconcile results: conditions, router endpoint, replica counts.
 - apiGroups: [kvplane.io]
   resources: [inferencepools/status, prefillpools/status, decodepools/status]
