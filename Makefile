@@ -21,11 +21,12 @@ setup-k8s:
 
 # What some tests run for real, each installed or built only if missing: buildah and
 # debootstrap (the image), prometheus, Grafana's dashboard schema and the Prometheus
-# adapter (dashboards and autoscaling)
+# adapter (dashboards and autoscaling), Jaeger (tracing)
 setup-tools:
 	@bash scripts/setup-apt.sh
 	@bash scripts/setup-dashboard-schema.sh >/dev/null
 	@bash scripts/setup-prometheus-adapter.sh >/dev/null
+	@bash scripts/setup-jaeger.sh >/dev/null
 
 image: setup-tools
 	@bash scripts/build-image.sh

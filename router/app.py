@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from kvplane.router import tracing
 from kvplane.router.config import Backend, RouterConfig
 from kvplane.router.discovery import Discovery, StaticDiscovery
 from kvplane.router.errors import APIError
@@ -38,6 +39,7 @@ from kvplane.router.request import ParsedRequest, parse_request
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
+from kvplane.router.tracing import OFF, Tracing
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
@@ -93,6 +95,7 @@ class Router:
     indexer: Indexer | None = None  # embedded KV event ingestion, if any
     pd: PDService | None = None  # the P/D path, when config.pd is set
     metric_children: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    tracing: Tracing = OFF  # OpenTelemetry spans per request (config.tracing)
 
 
 def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> Router:
@@ -110,6 +113,7 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     forwarder = Forwarder(config.connect_timeout_s, config.read_timeout_s)
     proxy = Proxy(forwarder, pool, metrics, config.max_attempts)
     router = Router(config, generation, tokenizer, index, pool, metrics, pipeline, proxy, client)
+    router.tracing = Tracing.of(config.tracing, config.pool)
     if config.pd is not None:
         router.pd = PDService(config, pipeline, pool, index, metrics, client)
     return router
@@ -193,6 +197,7 @@ def create_app(
             router.proxy.close()
             await router.index.close()
             router.tokenizer.close()
+            router.tracing.shutdown()
 
     app = _RouterApp(title="kvplane router", lifespan=lifespan)
     app.state.router = router
@@ -207,6 +212,7 @@ def create_app(
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = _request_id(raw_headers)
         status = "error"
+        traced = router.tracing.begin(raw_headers, path)
         try:
             raw = await _read_body(receive)
             req = parse_request(raw, kind)
@@ -220,15 +226,18 @@ def create_app(
             routed = await router.pipeline.route(req, defer_tail=True)
             router.metrics.chose(routed.decision.terms.get(routed.decision.pod), req.max_tokens)
             answer = _Answer(router, routed, request_id)
-            lines = header_lines(raw_headers, request_id.encode("latin-1"))
-            dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
-            _child(router, router.metrics.added, *label_values).observe(
-                time.perf_counter() - received
-            )
-            try:
-                status = str(await router.proxy.send(dispatch, receive, send))
-            finally:
-                answer.done()
+            with tracing.span("kvplane.proxy", True):
+                if tracing.on():
+                    tracing.set_attributes(pod=routed.decision.pod)
+                lines = header_lines(tracing.headers(raw_headers), request_id.encode("latin-1"))
+                dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
+                _child(router, router.metrics.added, *label_values).observe(
+                    time.perf_counter() - received
+                )
+                try:
+                    status = str(await router.proxy.send(dispatch, receive, send))
+                finally:
+                    answer.done()
         except APIError as exc:
             status = str(exc.status)
             await exc.response({"x-request-id": request_id})(scope, receive, send)
@@ -236,6 +245,7 @@ def create_app(
             pass  # gone before its body arrived: nobody to answer
         finally:
             _child(router, router.metrics.requests, *label_values, kind, status).inc()
+            router.tracing.end(traced, status)
 
     label_values = tuple(labels.values())
     # Raw ASGI endpoints on the hot path: no Request object, no response object, and

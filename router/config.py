@@ -215,6 +215,16 @@ class PDSpec(_Strict):
     )
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces of requests (router/tracing.py), exported over OTLP/HTTP."""
+
+    endpoint: Annotated[str, Field(pattern=r"^https?://")] = Field(
+        description="the collector's OTLP/HTTP base URL (spans go to <endpoint>/v1/traces)"
+    )
+    sampling_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    service_name: str = "kvplane-router"
+
+
 class IndexSpec(_Strict):
     backend: str = Field(default="memory", pattern="^(memory|redis)$")
     url: str = "redis://127.0.0.1:6379/0"
@@ -252,6 +262,7 @@ class RouterConfig(_Strict):
     pd: PDSpec | None = Field(
         default=None, description="prefill/decode disaggregation over backends' roles"
     )
+    tracing: TracingConfig | None = Field(default=None, description="off when absent")
 
     @field_validator("policy")
     @classmethod

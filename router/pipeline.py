@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from kvplane.router import tracing
 from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
 from kvplane.router.config import BackendRole, RouterConfig
 from kvplane.router.cost import CostModel
@@ -207,6 +208,7 @@ class RoutingPipeline:
             param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from exc
         self._tokenize_seconds.observe(time.perf_counter() - start)
+        tracing.record("kvplane.tokenize", start)
         # As vLLM: a prompt that leaves no room for one output token is a 400; a larger
         # max_tokens is cut by the engine to what the context leaves, not refused. (A
         # deferred tail is only taken when even its longest encoding fits.)
@@ -245,7 +247,12 @@ class RoutingPipeline:
                 f"'{self.config.model.name}' ({len(self.pool.states)} configured, none healthy)",
             )
         inp = RoutingInput(prompt.n_tokens, prompt.tokens, prompt.keys, self.pool.loads(pods))
-        decision, matches = await route(self.policy, self.index, inp, self._index_down)
+        with tracing.span("kvplane.choose"):
+            decision, matches = await route(self.policy, self.index, inp, self._index_down)
+            if tracing.on():
+                tracing.set_attributes(
+                    pod=decision.pod, reason=decision.reason, prompt_tokens=prompt.n_tokens
+                )
         terms = decision.terms.get(decision.pod)
         self.pool.note_routed(decision.pod, prompt.n_tokens - (terms.cached_tokens if terms else 0))
         return Routed(prompt, decision, matches)

@@ -136,6 +136,12 @@ def router_config(
         "cost": cost,
         "index": {"backend": "redis", "url": stores.index_url(ipool_name, namespace, ipool)},
     }
+    if ipool.tracing is not None:
+        config["tracing"] = {
+            "endpoint": ipool.tracing.endpoint,
+            "sampling_ratio": ipool.tracing.sampling_ratio,
+            "service_name": "kvplane-router",
+        }
     if disaggregated:
         # without it the router would send whole requests to prefill pods
         config["pd"] = pd_config(ipool, transfer or KVTransfer())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from kvplane.router import tracing
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
 from kvplane.router.index.wrapper import IndexWrapper
 from kvplane.router.telemetry import RouterMetrics
@@ -24,6 +25,7 @@ class InstrumentedIndex(IndexWrapper):
         start = time.perf_counter()
         result = await self.inner.lookup(keys, pods)
         self._seconds.observe(time.perf_counter() - start)
+        tracing.record("kvplane.index_lookup", start)
         return result
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from kvplane.router import tracing
 from kvplane.router.config import BackendRole, PDConnector, PDSpec, RouterConfig
 from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError, sse_error
@@ -179,7 +180,8 @@ class PDService:
 
     async def route(self, req: ParsedRequest) -> PDRouted:
         tokens, keys = await self.pipeline.tokens_and_keys(req)
-        routed = await self.decide(tokens, keys, protocols.multi_sequence(req.body))
+        with tracing.span("kvplane.choose"):
+            routed = await self.decide(tokens, keys, protocols.multi_sequence(req.body))
         return dataclasses.replace(routed, max_tokens=req.max_tokens)
 
     async def decide(self, tokens: list[int], keys: list[int], multi: bool = False) -> PDRouted:
@@ -481,9 +483,15 @@ class PDService:
         attempt.begin()
         url = state.backend.url.rstrip("/") + path
         try:
-            r = await self.client.post(
-                url, content=raw, headers=headers, timeout=self._prefill_timeout()
-            )
+            with tracing.span("kvplane.pd.prefill", True):
+                if tracing.on():
+                    tracing.set_attributes(pod=pod)
+                r = await self.client.post(
+                    url,
+                    content=raw,
+                    headers=tracing.inject(headers),
+                    timeout=self._prefill_timeout(),
+                )
         except httpx.TransportError as exc:
             self.pool.mark_unhealthy(pod)
             raise LegFailed(pod, f"{type(exc).__name__}: {exc}") from exc
@@ -522,8 +530,13 @@ class PDService:
         routed.booking.release()
         url = state.backend.url.rstrip("/") + path
         try:
-            req = self.client.build_request("POST", url, content=raw, headers=headers)
-            resp = await self.client.send(req, stream=True)
+            with tracing.span("kvplane.pd.decode", True):
+                if tracing.on():
+                    tracing.set_attributes(pod=pod)  # the span ends at its first byte
+                req = self.client.build_request(
+                    "POST", url, content=raw, headers=tracing.inject(headers)
+                )
+                resp = await self.client.send(req, stream=True)
         except httpx.TransportError as exc:
             attempt.end()
             self.pool.mark_unhealthy(pod)
