@@ -51,7 +51,8 @@ def pool_generation(config: RouterConfig) -> str:
     m = config.model
     if m.generation:
         return m.generation
-    return generation_tag(m.name, m.revision, tokenizer_fingerprint(m.tokenizer), m.block_size)
+    tokenizer = tokenizer_fingerprint(m.tokenizer)
+    return generation_tag(m.name, m.revision, tokenizer, m.block_size, pool=config.pool)
 
 
 def make_index(config: RouterConfig, generation: str) -> ResidencyIndex:
