@@ -154,24 +154,24 @@ def config_map(ipool_name: str, namespace: str, config: Json) -> Json:
     )
 
 
-def discovery_rbac(name: str, namespace: str, labels: dict[str, str]) -> list[Json]:
-    """Read-only access to pods of its own namespace: all discovery needs."""
+def discovery_rbac(
+    name: str, namespace: str, labels: dict[str, str], cluster_role: str = names.DISCOVERY_ROLE
+) -> list[Json]:
+    """A ServiceAccount bound in its own namespace to the discovery ClusterRole (read
+    pods: all discovery needs). A binding, not a Role of its own: the operator may
+    bind that one ClusterRole and write no Role anywhere."""
     meta = k8s.metadata(name, namespace, labels)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": meta,
-            "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
             "metadata": meta,
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": cluster_role,
+            },
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
         },
     ]
@@ -231,11 +231,13 @@ def router_objects(
     default_image: str,
     disaggregated: bool = False,
     transfer: KVTransfer | None = None,
+    discovery_role: str = names.DISCOVERY_ROLE,
 ) -> list[Json]:
     """ConfigMap, RBAC, Deployment and Service of the router.
 
     ``default_image`` is the operator's own image (it contains ``kvplane``), used
-    unless the spec names a router image.
+    unless the spec names a router image; ``discovery_role`` the ClusterRole that
+    lets it read pods.
     """
     config = router_config(
         ipool_name,
@@ -324,7 +326,7 @@ def router_objects(
         [(names.PORT_HTTP, ipool.router.port, names.PORT_HTTP)],
         service_type=ipool.router.service_type.value,
     )
-    return [cm, *discovery_rbac(name, namespace, labels), deployment, svc]
+    return [cm, *discovery_rbac(name, namespace, labels, discovery_role), deployment, svc]
 
 
 def indexer_objects(
@@ -337,6 +339,7 @@ def indexer_objects(
     default_image: str,
     disaggregated: bool = False,
     transfer: KVTransfer | None = None,
+    discovery_role: str = names.DISCOVERY_ROLE,
 ) -> list[Json]:
     """RBAC, Deployment and metrics Service of the indexer (the router's ConfigMap).
 
@@ -405,4 +408,4 @@ def indexer_objects(
         selector,
         [(names.PORT_METRICS, names.INDEXER_METRICS_PORT, names.PORT_METRICS)],
     )
-    return [*discovery_rbac(name, namespace, labels), deployment, svc]
+    return [*discovery_rbac(name, namespace, labels, discovery_role), deployment, svc]
