@@ -116,8 +116,15 @@ def _operator(args: argparse.Namespace) -> int:
     settings = OperatorSettings.from_env()
     namespaces = args.namespace or settings.namespaces
     peering = args.peering or settings.peering
+    import os
     import secrets
+    import socket
 
+    if peering:
+        # kopf's identity in the peering object; the operator's writes check it too
+        os.environ.setdefault("POD_ID", f"{socket.gethostname()}-{os.getpid()}")
+    # the controller's watches cover what kopf watches
+    os.environ["KVPLANE_WATCH_NAMESPACES"] = ",".join(namespaces)
     kopf.run(
         # peers of equal priority all pause; a random one makes exactly one of them active
         priority=secrets.randbelow(2**31 - 1) + 1 if peering else 0,
