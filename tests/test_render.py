@@ -676,9 +676,10 @@ def _admitted(policies: list[Json], target: dict[str, str], source: dict[str, st
 
 
 def test_only_kvplane_components_reach_engines_and_redis() -> None:
-    """Engines' KV event and replay ports: indexer and router only; their HTTP port: the
-    router only; any port: the pool's other engines (P/D transfers); the managed Redis:
-    router and indexer only. A pod of another pool, or any other pod, reaches none."""
+    """Engines' KV event and replay ports: indexer and router only; their HTTP port (and
+    with P/D their bootstrap port): the router only; any port: the pool's other engines
+    (P/D transfers); the managed Redis: router and indexer only. A pod of another pool,
+    or any other pod, reaches none."""
     for scenario in SCENARIOS:
         objects = scenario.render()
         policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
@@ -691,11 +692,18 @@ def test_only_kvplane_components_reach_engines_and_redis() -> None:
         }
         outsiders = [{}, {**pods["router"], N.LABEL_POOL: "other"}, {"app": "prometheus"}]
         events = {N.KV_EVENTS_PORT, N.KV_REPLAY_PORT}
+        transfer = pd_transfer(
+            scenario.prefill_spec()[1] if scenario.prefill else None,
+            list(scenario.decode_specs().values()),
+        )
+        router_ports = events | {N.ENGINE_HTTP_PORT}
+        if transfer is not None:  # the router asks a prefill pod's bootstrap server
+            router_ports.add(transfer.bootstrap_port)
         for role in N.ENGINE_ROLES:
             if role.value not in pods:
                 continue
             engine = pods[role.value]
-            assert _admitted(policies, engine, pods["router"]) == events | {N.ENGINE_HTTP_PORT}
+            assert _admitted(policies, engine, pods["router"]) == router_ports
             assert _admitted(policies, engine, pods["indexer"]) == events
             for other in N.ENGINE_ROLES:
                 if other.value in pods:

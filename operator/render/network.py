@@ -3,9 +3,10 @@
 Engines publish every block's token ids on their KV event and replay ports, so a
 passive subscriber could read other clients' prompts: only the pool's indexer and
 router may reach those ports, only the router the engines' HTTP API (the
-``networkPolicy.metricsFrom`` peers may scrape it too), and the pool's engines reach
-each other on any port (NIXL over UCX and Mooncake open transfer ports of their
-own). The managed Redis takes connections from the pool's router and indexer only.
+``networkPolicy.metricsFrom`` peers may scrape it too) and, with P/D, their bootstrap
+port (the router asks a Mooncake prefill pod for its engine ids), and the pool's
+engines reach each other on any port (NIXL over UCX and Mooncake open transfer ports
+of their own). The managed Redis takes connections from the pool's router and indexer only.
 Traffic from a pod's own node (kubelet probes) is always allowed by NetworkPolicy.
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvplane.operator.api import InferencePoolSpec
+from kvplane.operator.api import InferencePoolSpec, KVTransfer
 from kvplane.operator.render import k8s, names, stores
 from kvplane.operator.render.names import Role
 
@@ -47,7 +48,10 @@ def _policy(
     }
 
 
-def network_policies(ipool_name: str, namespace: str, ipool: InferencePoolSpec) -> list[Json]:
+def network_policies(
+    ipool_name: str, namespace: str, ipool: InferencePoolSpec, transfer: KVTransfer | None
+) -> list[Json]:
+    """``transfer``: the pool's P/D transfer (None: aggregated)."""
     policy = ipool.network_policy
     if not policy.enabled:
         return []
@@ -55,6 +59,7 @@ def network_policies(ipool_name: str, namespace: str, ipool: InferencePoolSpec) 
     readers = {"podSelector": pods(ipool_name, [Role.ROUTER, Role.INDEXER])}
     engines = {"podSelector": pods(ipool_name, list(names.ENGINE_ROLES))}
     http = [router, *(dict(p) for p in policy.metrics_from)]
+    bootstrap = [{"from": [router], "ports": _ports(transfer.bootstrap_port)}] if transfer else []
     out = [
         _policy(
             ipool_name,
@@ -64,6 +69,7 @@ def network_policies(ipool_name: str, namespace: str, ipool: InferencePoolSpec) 
             [
                 {"from": [readers], "ports": _ports(names.KV_EVENTS_PORT, names.KV_REPLAY_PORT)},
                 {"from": http, "ports": _ports(names.ENGINE_HTTP_PORT)},
+                *bootstrap,
                 {"from": [engines]},
             ],
         )

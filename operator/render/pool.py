@@ -44,7 +44,7 @@ def inference_pool_objects(
     disaggregated = prefill is not None
     objects: list[Json] = []
     # policies before the pods they guard: no engine ever listens unprotected
-    objects += network_policies(ipool_name, namespace, ipool)
+    objects += network_policies(ipool_name, namespace, ipool, transfer)
     objects += engine_config_maps(ipool_name, namespace, ipool, tiers)
     objects += stores.redis_objects(ipool_name, namespace, ipool)
     objects += stores.mooncake_objects(ipool_name, namespace, ipool, tiers)
