@@ -543,3 +543,42 @@ def test_transient_api_errors_are_retried(
         "router Deployment back", lambda: "llama-router" in deployments(c, ns), timeout_s=120
     )
     c.wait_until("Ready again", lambda: ready(c, ns, "llama"), timeout_s=90)
+
+
+def test_every_rendered_object_reads_back_as_applied(
+    k8s_cluster: K8sCluster, k8s_namespace: str
+) -> None:
+    """What lets a pool at rest cost nothing: each object of every render scenario,
+    applied to the API server and read back (defaults filled in, quantities
+    canonicalised), still covers what was applied, so the operator never re-applies it."""
+    import asyncio
+
+    from kvplane.operator.compare import covers
+    from kvplane.operator.render import inference_pool_objects
+    from kvplane.router.kube import Kube
+    from test_render import OPERATOR_IMAGE, POOL, SCENARIOS
+
+    ns = k8s_namespace
+
+    async def scenario() -> None:
+        client = await Kube.connect(str(k8s_cluster.kubeconfig))
+        try:
+            for s in SCENARIOS:
+                objects = inference_pool_objects(
+                    POOL,
+                    ns,
+                    s.spec(),
+                    prefill=s.prefill_spec(),
+                    decodes=s.decode_specs(),
+                    tiers=s.tier_specs(),
+                    default_image=OPERATOR_IMAGE,
+                )
+                for obj in objects:
+                    await client.apply(obj, "kvplane-test")
+                for obj in objects:
+                    live = await client.get(obj["kind"], ns, obj["metadata"]["name"])
+                    assert live is not None and covers(live, obj), (s.name, obj["kind"], obj)
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())
