@@ -43,13 +43,14 @@ def test_a_live_object_covers_what_we_apply() -> None:
         "status": {"ready": 1},
     }
     assert covers(live, desired)
-    for change in (
+    changes: list[Json] = [
         {"replicas": 2},
         {"resources": {"limits": {"memory": "2Gi"}}},
         {"ports": [{"name": "http", "port": 8001}]},
         {"ports": []},
         {"image": "new"},
-    ):
+    ]
+    for change in changes:
         assert not covers(live, {**desired, "spec": {**desired["spec"], **change}}), change
     assert not covers(
         {**live, "metadata": {**live["metadata"], "annotations": {"k": "v"}}}, desired

@@ -692,9 +692,9 @@ def test_only_kvplane_components_reach_engines_and_redis() -> None:
         }
         outsiders = [{}, {**pods["router"], N.LABEL_POOL: "other"}, {"app": "prometheus"}]
         events = {N.KV_EVENTS_PORT, N.KV_REPLAY_PORT}
+        prefill = scenario.prefill_spec()
         transfer = pd_transfer(
-            scenario.prefill_spec()[1] if scenario.prefill else None,
-            list(scenario.decode_specs().values()),
+            prefill[1] if prefill else None, list(scenario.decode_specs().values())
         )
         router_ports = events | {N.ENGINE_HTTP_PORT}
         if transfer is not None:  # the router asks a prefill pod's bootstrap server
