@@ -35,7 +35,7 @@ def _load(path: str) -> RouterConfig:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import uvicorn
+    from kvplane.router import serving
 
     config = _load(args.config)  # fail fast, with a readable error, before forking
     if args.workers > 1 and config.index.backend == "memory":
@@ -48,16 +48,7 @@ def _router(args: argparse.Namespace) -> int:
     os.environ["KVPLANE_ROUTER_CONFIG"] = str(args.config)
     if args.embedded_indexer:
         os.environ["KVPLANE_EMBEDDED_INDEXER"] = "1"
-    uvicorn.run(
-        "kvplane.router.server:app_from_env",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_keep_alive=30,
-    )
+    serving.run(config, args.host, args.port, args.workers, args.log_level)
     return 0
 
 

@@ -9,12 +9,17 @@ from starlette.responses import JSONResponse
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
-    503: "service_unavailable",
+    431: "invalid_request_error",
+    500: "server_error",
     502: "bad_gateway",
+    503: "service_unavailable",
+    504: "timeout",
 }
 
 
@@ -36,6 +41,8 @@ class APIError(Exception):
         }
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        if self.status == 401:  # RFC 6750: how to authenticate
+            headers = {**(headers or {}), "www-authenticate": "Bearer"}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -424,6 +424,7 @@ def _config(tok: Path, urls: dict[str, str], **extra: object) -> RouterConfig:
         {
             "model": {"name": "tiny", "tokenizer": str(tok), "block_size": 32},
             "backends": [{"name": n, "url": u} for n, u in urls.items()],
+            "auth": {"open_admin": True},  # loopback: explain, every header
             "scrape_interval_s": 0.2,
             **extra,
         }

@@ -28,6 +28,7 @@ class FakeEngine:
     model: str = "tiny"
     mode: str = "ok"  # ok | fail500 | break_stream
     seen_request_ids: list[str] = field(default_factory=list)
+    seen_headers: list[dict[str, str]] = field(default_factory=list)
     requests: int = 0
     port: int = 0
 
@@ -40,6 +41,7 @@ class FakeEngine:
             body = await request.json()
             self.requests += 1
             self.seen_request_ids.append(request.headers.get("x-request-id", ""))
+            self.seen_headers.append(dict(request.headers))
             if self.mode == "fail500":
                 return JSONResponse({"error": {"message": "engine failed"}}, status_code=500)
             chat = request.url.path.endswith("chat/completions")
