@@ -63,6 +63,10 @@ def _render_in_worker(messages: Sequence[Any], opts: ChatOptions) -> str:
         raise ChatFormatError("chat template failed: out of memory") from None
 
 
+def _ready() -> None:
+    """A first task, to start a worker."""
+
+
 class RequestTemplates:
     """Renders request-supplied templates in worker processes, each cut at ``timeout_s``."""
 
@@ -76,6 +80,10 @@ class RequestTemplates:
             initargs=(str(tokenizer_path),),
             context=multiprocessing.get_context("spawn"),
         )
+        # start the workers now (about 2 s each: imports, the tokenizer), not on the
+        # first request that brings a template
+        for _ in range(WORKERS):
+            self._pool.schedule(_ready)
 
     async def render(self, messages: Sequence[Any], opts: ChatOptions) -> str:
         future = self._pool.schedule(_render_in_worker, (messages, opts), timeout=self.timeout_s)
