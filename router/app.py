@@ -109,7 +109,7 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
         max_prompt_ids=config.model.max_model_len,
     )
     index = index or make_index(config, generation)
-    pool = Pool()
+    pool = Pool(config.demote_first_s, config.demote_max_s)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
     client = httpx.AsyncClient(limits=limits, timeout=timeout)
@@ -117,7 +117,7 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     guarded = GuardedIndex(InstrumentedIndex(index, metrics), timeout_s, metrics)
     pipeline = RoutingPipeline(config, tokenizer, guarded, pool, metrics, generation)
     forwarder = Forwarder(config.connect_timeout_s, config.read_timeout_s)
-    proxy = Proxy(forwarder, pool, metrics, config.max_attempts)
+    proxy = Proxy(forwarder, pool, metrics, config.max_attempts, config.first_byte_timeout_s)
     router = Router(
         config,
         generation,
@@ -446,7 +446,8 @@ class _Answer:
         uncached = {p: n - t.cached_tokens for p, t in d.terms.items()} or dict.fromkeys(
             d.ranked, n
         )
-        return Dispatch(path, body, lines, d.ranked, uncached, n, stream, self)
+        ttft = {p: t.ttft_ms / 1000 for p, t in d.terms.items()}
+        return Dispatch(path, body, lines, d.ranked, uncached, n, stream, self, ttft)
 
     def headers_for(self, pod: str, attempts: int) -> dict[str, str]:
         self._served = pod

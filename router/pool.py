@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import httpx
+from kvplane.router.backoff import Backoff
 from kvplane.router.config import Backend
 from kvplane.router.cost import PodLoad
 from kvplane.router.engine_stats import EngineStats, parse_metrics
@@ -35,6 +36,18 @@ class BackendState(LoadCounters):
     stats: EngineStats = field(default_factory=EngineStats)
     unhealthy_since: float | None = None
     slow_scrapes: int = 0  # consecutive scrapes that timed out
+    # Demoted: out of rotation until then although /health answers (it stalled, answered
+    # 5xx or dropped requests other pods served); the scraper does not bring it back.
+    demoted_until: float = 0.0
+    demotions: Backoff | None = None  # while demotions repeat without a good answer
+
+    def routable(self, now: float) -> bool:
+        return self.healthy and self.demoted_until <= now
+
+    def answered(self) -> None:
+        """The pod answered a request (below 500): its next demotion starts short."""
+        if self.demotions is not None and self.demoted_until <= time.monotonic():
+            self.demotions = None
 
     def observe(self, stats: EngineStats) -> None:
         """A fresh scrape: remember what the router had pending at that instant, which
@@ -60,9 +73,10 @@ class BackendState(LoadCounters):
 class Pool:
     """Backends by name. Mutated only on the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, demote_first_s: float = 2.0, demote_max_s: float = 60.0) -> None:
         self.states: dict[str, BackendState] = {}
         self.mean_request_tokens = 1024.0
+        self._demote_s = (demote_first_s, demote_max_s)
 
     def set_backends(self, backends: Sequence[Backend]) -> tuple[list[str], list[str]]:
         """Replace the backend set; returns (added, removed) names."""
@@ -84,7 +98,23 @@ class Pool:
         return {n: states[n].load(mean, now) for n in names}
 
     def healthy(self) -> list[str]:
-        return [n for n, s in self.states.items() if s.healthy]
+        """Pods to route to: healthy and not demoted (all healthy ones if every one is
+        demoted: a pod on probation beats refusing every request)."""
+        now = time.monotonic()
+        up = [n for n, s in self.states.items() if s.healthy]
+        routable = [n for n in up if self.states[n].demoted_until <= now]
+        return routable or up
+
+    def demote(self, name: str, why: str) -> None:
+        """Out of rotation for a back-off that doubles while it keeps failing."""
+        state = self.states.get(name)
+        if state is None:
+            return
+        if state.demotions is None:
+            state.demotions = Backoff(*self._demote_s)
+        delay = state.demotions.next()
+        state.demoted_until = time.monotonic() + delay
+        log.warning("backend %s out of rotation for %.1f s: %s", name, delay, why)
 
     def mark_unhealthy(self, name: str) -> None:
         state = self.states.get(name)
