@@ -92,6 +92,14 @@ def _bench_pd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from kvplane.bench import soak
+
+    args.argv_echo = sys.argv[3:]
+    soak.run(args)
+    return 0
+
+
 def _sim(args: argparse.Namespace) -> int:
     from kvplane.sim.main import run
 
@@ -226,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd_arguments(d)
     d.set_defaults(handler=_bench_pd)
+    s = bsub.add_parser(
+        "soak", help="the router under steady traffic for a long time: memory, FDs, index size"
+    )
+    from kvplane.bench.soak import add_arguments as soak_arguments
+
+    soak_arguments(s)
+    s.set_defaults(handler=_bench_soak)
     return p
 
 
@@ -234,6 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":  # a line per scrape and per P/D leg says nothing
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -106,6 +106,7 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     tokenizer = PromptTokenizer(
         config.model.tokenizer,
         config.model.chat_template,
+        reuse_max_tokens=config.model.tokenizer_cache_tokens,
         max_prompt_ids=config.model.max_model_len,
     )
     index = index or make_index(config, generation)
@@ -133,6 +134,7 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     )
     if config.pd is not None:
         router.pd = PDService(config, pipeline, pool, index, metrics, client)
+    pool.on_demote = lambda pod: metrics.demotions.labels(**metrics.labels, pod=pod).inc()
     return router
 
 
@@ -146,9 +148,11 @@ async def _apply_backends(router: Router, backends: list[Backend]) -> None:
     router.proxy.retain(s.backend.url for s in router.pool.states.values())
     if router.indexer is not None:
         await router.indexer.set_backends(backends)
-    for name in removed:
-        with contextlib.suppress(KeyError):
-            router.metrics.backend_healthy.remove(*router.metrics.labels.values(), name)
+    for name in removed:  # nothing kept per pod outlives it
+        router.metrics.forget_pod(name)
+        router.proxy.forget(name)
+        for key in [k for k in router.metric_children if k[-1] == name]:
+            del router.metric_children[key]
 
 
 def _headers(
@@ -310,8 +314,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        now = time.monotonic()
         for name, st in router.pool.states.items():
-            router.metrics.backend_healthy.labels(**labels, pod=name).set(int(st.healthy))
+            router.metrics.backend_healthy.labels(**labels, pod=name).set(int(st.routable(now)))
             router.metrics.inflight.labels(**labels, pod=name).set(st.inflight)
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -37,6 +37,11 @@ class ModelSpec(_Strict):
         default=2.0, description="a request-supplied chat template rendering longer is a 400"
     )
     kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072
+    tokenizer_cache_tokens: Annotated[int, Field(ge=0)] = Field(
+        default=4_000_000,
+        description="token ids of recent prompts kept for exact prefix reuse (4 bytes each, "
+        "plus their block keys); 0 turns reuse off",
+    )
     generation: str | None = Field(
         default=None,
         description="the pool's generation tag (the operator sets it); by default derived "

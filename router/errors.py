@@ -23,6 +23,13 @@ _TYPES = {
 }
 
 
+def describe(exc: BaseException) -> str:
+    """An exception for a log line: its type, and its message when it has one (many
+    network errors have none, and a bare ``()`` says nothing)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 class APIError(Exception):
     def __init__(
         self, status: int, message: str, param: str | None = None, code: str | None = None

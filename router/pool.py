@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
@@ -19,6 +19,7 @@ from kvplane.router.backoff import Backoff
 from kvplane.router.config import Backend
 from kvplane.router.cost import PodLoad
 from kvplane.router.engine_stats import EngineStats, parse_metrics
+from kvplane.router.errors import describe
 from kvplane.router.load import LoadCounters
 
 log = logging.getLogger("kvplane.router.pool")
@@ -77,6 +78,7 @@ class Pool:
         self.states: dict[str, BackendState] = {}
         self.mean_request_tokens = 1024.0
         self._demote_s = (demote_first_s, demote_max_s)
+        self.on_demote: Callable[[str], None] | None = None  # the demotions metric
 
     def set_backends(self, backends: Sequence[Backend]) -> tuple[list[str], list[str]]:
         """Replace the backend set; returns (added, removed) names."""
@@ -114,12 +116,14 @@ class Pool:
             state.demotions = Backoff(*self._demote_s)
         delay = state.demotions.next()
         state.demoted_until = time.monotonic() + delay
+        if self.on_demote is not None:
+            self.on_demote(name)
         log.warning("backend %s out of rotation for %.1f s: %s", name, delay, why)
 
-    def mark_unhealthy(self, name: str) -> None:
+    def mark_unhealthy(self, name: str, why: str) -> None:
         state = self.states.get(name)
         if state is not None and state.healthy:
-            log.warning("backend %s marked unhealthy", name)
+            log.warning("backend %s marked unhealthy: %s", name, why)
             state.healthy = False
             state.unhealthy_since = time.monotonic()
 
@@ -155,17 +159,20 @@ class Scraper:
         # /health or SLOW_SCRAPES_UNHEALTHY slow scrapes in a row take it out of rotation.
         timeout = max(2.0, 2 * self._interval)
         slow = False
+        why = ""
         try:
             health = await self._client.get(f"{url}/health", timeout=timeout)
             ok = health.status_code == 200
+            why = f"/health answered {health.status_code}"
             metrics = await self._client.get(f"{url}/metrics", timeout=timeout) if ok else None
         except httpx.TimeoutException:
             ok, metrics, slow = True, None, True
-        except httpx.HTTPError:
-            ok, metrics = False, None
+        except httpx.HTTPError as exc:
+            ok, metrics, why = False, None, f"/health failed: {describe(exc)}"
         if slow:
             state.slow_scrapes += 1
             ok = state.slow_scrapes < SLOW_SCRAPES_UNHEALTHY and state.healthy
+            why = f"{state.slow_scrapes} scrapes in a row took over {timeout:g} s"
         else:
             state.slow_scrapes = 0
         if ok and metrics is not None and metrics.status_code == 200:
@@ -174,7 +181,7 @@ class Scraper:
             log.info("backend %s healthy again", name)
             state.healthy, state.unhealthy_since = True, None
         elif not ok:
-            self._pool.mark_unhealthy(name)
+            self._pool.mark_unhealthy(name, why)
 
     async def _run(self) -> None:
         while True:

@@ -268,8 +268,7 @@ class Proxy:
     def _failed(self, pod: str, cause: Cause, why: str, stream: bool, refused: list[str]) -> None:
         """An attempt with no answer to relay: what it says of the pod (module doc)."""
         if cause is Cause.CONNECT:
-            log.warning("backend %s unreachable: %s", pod, why)
-            self._pool.mark_unhealthy(pod)
+            self._pool.mark_unhealthy(pod, f"unreachable: {why}")
         elif cause is Cause.BUSY:
             raise APIError(503, f"the router is at its limit of requests in flight: {why}")
         elif cause is Cause.TIMEOUT and stream:

@@ -114,8 +114,7 @@ def test_api_keys_are_enforced_and_reloaded_when_the_secret_changes(
         # the Secret is rotated: key-one revoked, key-two added, without a restart
         secret_dir(keys, "v2", {"team-a": "key-two-BBBB", "team-b": "key-b"})
         wait_until(
-            lambda: httpx.post(url, json=PROMPT, headers=bearer("key-two-BBBB")).status_code
-            == 200,
+            lambda: httpx.post(url, json=PROMPT, headers=bearer("key-two-BBBB")).status_code == 200,
             "the new key is accepted",
         )
         assert_openai_error(httpx.post(url, json=PROMPT, headers=bearer("key-one-AAAA")), 401)
