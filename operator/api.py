@@ -13,7 +13,8 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from kvplane.router.config import CostParams
-from kvplane.router.policies import options_model, policy_names
+from kvplane.router.policies import policy_names
+from kvplane.router.policies.registry import check_options, check_policy
 from kvplane.router.tiers import Tier
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -158,12 +159,11 @@ class RouterSpec(Model):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        options_model(name)  # raises for an unknown name, listing the known ones
-        return name
+        return check_policy(name)
 
     @model_validator(mode="after")
     def _policy_options(self) -> RouterSpec:
-        options_model(self.policy).model_validate(self.policy_options)
+        check_options(self.policy, self.policy_options)
         return self
 
 

@@ -362,16 +362,15 @@ class RouterConfig(_Strict):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from kvplane.router.policies import options_model  # the policies import this module
+        from kvplane.router.policies import registry  # the policies import this module
 
-        options_model(name)  # raises for an unknown name, listing the known ones
-        return name
+        return registry.check_policy(name)
 
     @model_validator(mode="after")
     def _policy_options(self) -> RouterConfig:
-        from kvplane.router.policies import options_model
+        from kvplane.router.policies import registry
 
-        options_model(self.policy).model_validate(self.policy_options)
+        registry.check_options(self.policy, self.policy_options)
         return self
 
     @model_validator(mode="after")

@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 client for the proxy's hot path.
 
 Why not httpx here: per request it builds request and response models, header
-objects, an anyio stream and several layers of async generators, which measured as
-most of the router's added latency on a shared 8K-token prompt (bench/RESULTS.md,
-"Router overhead"). Here a
+objects, an anyio stream and several layers of async generators, which profiled as
+most of the router's added latency on a shared 8K-token prompt when the proxy used
+it (bench/HISTORY.md). Here a
 request is one ``writelines`` of pre-joined bytes on a pooled keep-alive
 connection, and the response is parsed by httptools (llhttp) from the protocol
 callbacks; the body is handed over as the parser yields it, so a stream passes

@@ -27,7 +27,8 @@ from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.templates import UNTRUSTED_TEMPLATE, RequestTemplates, request_template
 from kvplane.router.tokens import CachedPrefix, ChatFormatError, PromptTokenizer, prompt_source
 
-# A new tail longer than this after a cached prefix (~0.7 ms of encoding) is encoded
+# A new tail longer than this after a cached prefix (a fraction of a millisecond of
+# encoding, on the request's path otherwise) is encoded
 # after forwarding when the caller allows it, if it is at most this share of the
 # prompt: text this router never saw may still be resident (another router replica
 # sent it), so the prefix decided on must be most of the prompt.

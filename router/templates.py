@@ -80,8 +80,8 @@ class RequestTemplates:
             initargs=(str(tokenizer_path),),
             context=multiprocessing.get_context("spawn"),
         )
-        # start the workers now (about 2 s each: imports, the tokenizer), not on the
-        # first request that brings a template
+        # start the workers now (imports, the tokenizer), not on the first request
+        # that brings a template
         for _ in range(WORKERS):
             self._pool.schedule(_ready)
 

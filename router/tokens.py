@@ -27,8 +27,8 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 T = TypeVar("T")
-# Encoding at most this many characters (about 1000 tokens, 1-3 ms with a regex
-# pre-tokenizer) is done on the event loop; longer texts go to the tokenizer's threads.
+# Encoding at most this many characters (about 1000 tokens) is done on the event loop,
+# which costs less than a thread hop; longer texts go to the tokenizer's threads.
 INLINE_CHARS: Final = 4096
 
 
