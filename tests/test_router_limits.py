@@ -48,13 +48,14 @@ def config(tok: Path, engines: list[FakeEngine], **extra: object) -> RouterConfi
     )
 
 
+MAX_CONNECTIONS, MAX_BODY_BYTES, MAX_HEADERS, MAX_HEADER_BYTES = 32, 1 << 20, 50, 8192
 SERVER = {
-    "max_connections": 32,
+    "max_connections": MAX_CONNECTIONS,
     "header_timeout_s": 0.5,
     "body_timeout_s": 0.5,
-    "max_body_bytes": 1 << 20,
-    "max_headers": 50,
-    "max_header_bytes": 8192,
+    "max_body_bytes": MAX_BODY_BYTES,
+    "max_headers": MAX_HEADERS,
+    "max_header_bytes": MAX_HEADER_BYTES,
 }
 
 
@@ -114,28 +115,28 @@ def test_a_body_that_never_completes_is_cut(router: RunningRouter) -> None:
 def test_a_flood_of_idle_connections_leaves_room_for_requests(router: RunningRouter) -> None:
     """Twice the cap of idle connections: the longest idle are closed for new ones, so
     /health and completions still answer at once, and the router holds at most the cap."""
-    flood = [connect(router) for _ in range(2 * SERVER["max_connections"])]
+    flood = [connect(router) for _ in range(2 * MAX_CONNECTIONS)]
     try:
         with httpx.Client(timeout=10) as client:
             assert client.get(f"{router.url}/health").status_code == 200
             ok = client.post(f"{router.url}/v1/completions", json={"model": "tiny", "prompt": "x"})
             assert ok.status_code == 200
-        closed = sum(closed_by_server(s, 0.2) for s in flood[: SERVER["max_connections"]])
-        assert closed >= SERVER["max_connections"] - 2  # the oldest went first
+        closed = sum(closed_by_server(s, 0.2) for s in flood[:MAX_CONNECTIONS])
+        assert closed >= MAX_CONNECTIONS - 2  # the oldest went first
     finally:
         for s in flood:
             s.close()
 
 
 def test_too_many_or_too_large_headers_are_a_431(router: RunningRouter) -> None:
-    many = {f"x-h{i}": "v" for i in range(SERVER["max_headers"] + 5)}
+    many = {f"x-h{i}": "v" for i in range(MAX_HEADERS + 5)}
     assert_openai_error(httpx.get(f"{router.url}/health", headers=many), 431, "header fields")
-    huge = {"x-big": "v" * 2 * SERVER["max_header_bytes"]}
+    huge = {"x-big": "v" * 2 * MAX_HEADER_BYTES}
     assert_openai_error(httpx.get(f"{router.url}/health", headers=huge), 431, "too large")
     # a head that keeps coming without ever ending
     s = connect(router)
     s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n")
-    for _ in range(SERVER["max_header_bytes"] // 1000 + 2):
+    for _ in range(MAX_HEADER_BYTES // 1000 + 2):
         s.sendall(b"x-pad: " + b"p" * 1000 + b"\r\n")
     assert response_of(s).startswith(b"HTTP/1.1 431")
     assert httpx.get(f"{router.url}/health").status_code == 200
@@ -149,7 +150,7 @@ def test_a_malformed_head_is_a_json_400(router: RunningRouter) -> None:
 
 
 def test_an_oversized_body_is_a_413(router: RunningRouter) -> None:
-    big = b'{"model": "tiny", "prompt": "' + b"a" * (SERVER["max_body_bytes"] + 1) + b'"}'
+    big = b'{"model": "tiny", "prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
     url = f"{router.url}/v1/completions"
     assert_openai_error(httpx.post(url, content=big), 413, "too large")
 
@@ -206,17 +207,9 @@ def test_request_chat_templates_are_refused_unless_trusted(router: RunningRouter
 def test_a_runaway_trusted_template_is_cut_without_blocking_the_router(
     tokenizer_dir: Path, engines: list[FakeEngine]
 ) -> None:
-    model = {
-        "name": "tiny",
-        "tokenizer": str(tokenizer_dir),
-        "max_model_len": MAX_MODEL_LEN,
-        "chat_template": CHAT_TEMPLATE,
-        "trust_request_chat_template": True,
-        "request_template_timeout_s": 5.0,
-    }
-    cfg = config(tokenizer_dir, engines).model_copy(
-        update={"model": RouterConfig.model_fields["model"].annotation.model_validate(model)}  # type: ignore[union-attr]
-    )
+    trusting = config(tokenizer_dir, engines).model_dump()
+    trusting["model"].update(trust_request_chat_template=True, request_template_timeout_s=5.0)
+    cfg = RouterConfig.model_validate(trusting)
     looping = (
         "{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}"
         "{% endfor %}{% endfor %}{% endfor %}"
@@ -224,7 +217,8 @@ def test_a_runaway_trusted_template_is_cut_without_blocking_the_router(
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hello there"}]}
     with serve_router(cfg) as r, concurrent.futures.ThreadPoolExecutor(2) as pool:
         url = f"{r.url}/v1/chat/completions"
-        fine = httpx.post(url, json={**chat, "chat_template": "{{ messages[0]['content'] }}"})
+        own = {**chat, "chat_template": "{{ messages[0]['content'] }}"}
+        fine = httpx.post(url, json=own, timeout=120)  # the workers may still be starting
         assert fine.status_code == 200, fine.text
         bomb = httpx.post(url, json={**chat, "chat_template": "{{ 'a' * 10**10 }}"}, timeout=60)
         assert_openai_error(bomb, 400, "chat template")
