@@ -216,22 +216,27 @@ async def drive(
         start = loop.time()
         next_window = start + window_s
         next_send = start
+
+        async def close_window() -> None:
+            nonlocal tally
+            stats = await asyncio.to_thread(sample)
+            lat = tally.latencies_ms
+            window = Window(
+                round(loop.time() - start, 1),
+                tally.requests,
+                tally.errors,
+                tally.refused,
+                percentile(lat, 50) if lat else None,
+                percentile(lat, 99) if lat else None,
+                **stats,
+            )
+            windows.append(window)
+            on_window(window)
+            tally = _Tally()
+
         while (now := loop.time()) < start + duration_s:
             if now >= next_window:
-                stats = await asyncio.to_thread(sample)
-                lat = tally.latencies_ms
-                window = Window(
-                    round(now - start, 1),
-                    tally.requests,
-                    tally.errors,
-                    tally.refused,
-                    percentile(lat, 50) if lat else None,
-                    percentile(lat, 99) if lat else None,
-                    **stats,
-                )
-                windows.append(window)
-                on_window(window)
-                tally = _Tally()
+                await close_window()
                 next_window += window_s
             if len(inflight) < 512:  # bounded: a stuck router cannot pile up tasks
                 task = asyncio.create_task(request())
@@ -241,6 +246,8 @@ async def drive(
             await asyncio.sleep(max(0.0, next_send - loop.time()))
         if inflight:
             await asyncio.wait(inflight, timeout=60)
+        if tally.requests:  # the last window, cut by the end of the run
+            await close_window()
     return windows
 
 
@@ -376,15 +383,18 @@ def _fmt(v: object) -> str:
 
 
 def markdown(record: dict[str, Any], json_path: str) -> str:
+    load = "/".join(f"{x:.2f}" for x in record["machine"].get("loadavg_start", []))
     lines = [
         HEADING,
         "",
         f"`kvplane bench soak {' '.join(record['argv'])}` ({record['date']}, "
-        f"{record['machine'].get('cpu', '')}; figures: `{json_path}`). Loopback, "
+        f"{record['machine'].get('nproc')} cores, {record['machine'].get('cpu_model')}, "
+        f"load average {load} at start; figures: `{json_path}`). Loopback, "
         f"{record['engines']} simulated engines of {record['gpu_blocks']} KV blocks, an "
         f"open-loop client at {record['rate']:g} req/s (shared system prompts, growing "
         "conversations, unique prompts, a quarter streamed, 2% refused by design). "
-        f"Baseline: window {record['warmup_windows'] + 1}.",
+        f"Baseline: window {record['warmup_windows'] + 1}. p50/p99: end-to-end latency of "
+        "the requests that succeeded; index keys and MB: Redis `DBSIZE` and `used_memory`.",
         "",
     ]
     for run in record["runs"]:
