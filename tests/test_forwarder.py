@@ -467,7 +467,7 @@ def test_a_stream_with_no_head_in_time_moves_to_the_next_pod(tokenizer_dir: Path
     with serve_in_thread(stuck.app()) as port, serve_engines(good):
         urls = {"stuck": f"http://127.0.0.1:{port}", "good": good.url}
         config = _config(
-            tokenizer_dir, urls, policy="round_robin", first_byte_timeout_s=0.5, demote_first_s=60
+            tokenizer_dir, urls, policy="round_robin", first_byte_timeout_s=2, demote_first_s=60
         )
         try:
             with serve_router(config) as r:

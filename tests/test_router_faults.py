@@ -58,7 +58,7 @@ def test_a_stalled_engine_is_demoted_with_back_off_while_its_health_is_fine(
         with (
             serve_engines(stalled, good),
             serve_router(
-                config(tokenizer_dir, [stalled, good], first_byte_timeout_s=0.5, demote_first_s=0.5)
+                config(tokenizer_dir, [stalled, good], first_byte_timeout_s=2, demote_first_s=5)
             ) as r,
         ):
             state = r.router.pool.states["stalled"]
@@ -73,7 +73,7 @@ def test_a_stalled_engine_is_demoted_with_back_off_while_its_health_is_fine(
             for i in range(3):
                 assert complete(r.url, f"q{i}", stream=True).status_code == 200
             assert stalled.requests == 2
-            assert state.demotions.current_s == pytest.approx(2.0)  # 0.5 -> 1 -> 2
+            assert state.demotions.current_s == pytest.approx(20.0)  # 5 s, then 10, next 20
     finally:
         stalled.released.set()
 
