@@ -8,6 +8,7 @@ what engines actually reuse.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -115,3 +116,30 @@ class RouterMetrics:
             buckets=_FAST,
             registry=r,
         )
+        self.demotions = Counter(
+            "kvplane_router_backend_demotions",
+            "Pods taken out of rotation for a back-off (stalled, 5xx, dropped requests)",
+            (*lbl, "pod"),
+            registry=r,
+        )
+        # metrics with a pod label, and their label names: a pod that leaves takes its
+        # children with it (pods come and go with every rollout)
+        self.per_pod: list[tuple[MetricWrapperBase, tuple[str, ...]]] = [
+            (self.decisions, (*lbl, "reason", "pod")),
+            (self.retries, (*lbl, "pod")),
+            (self.backend_ttft, (*lbl, "pod")),
+            (self.backend_healthy, (*lbl, "pod")),
+            (self.inflight, (*lbl, "pod")),
+            (self.demotions, (*lbl, "pod")),
+        ]
+
+    def forget_pod(self, pod: str) -> None:
+        """Remove every child labelled with ``pod``."""
+        for metric, names in self.per_pod:
+            seen: set[tuple[str, ...]] = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.labels.get("pod") == pod:
+                        seen.add(tuple(sample.labels[n] for n in names))
+            for values in seen:
+                metric.remove(*values)

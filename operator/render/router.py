@@ -28,6 +28,8 @@ TOKENIZER_DIR: Final = f"{MODELS_DIR}/tokenizer"
 # a model directory baked into the engine image that it copies from.
 INIT_MOUNT: Final = "/kvplane-out"
 API_KEYS_DIR: Final = f"{CONFIG_DIR}/api-keys"
+# Admin keys (explain, /docs, residency headers): the optional Secret <router>-admin-keys.
+ADMIN_KEYS_DIR: Final = f"{CONFIG_DIR}/admin-keys"
 # No spec value: leave the length check to the engine, which knows the model's limit.
 UNBOUNDED_MODEL_LEN: Final = 2**31 - 1
 
@@ -139,6 +141,8 @@ def router_config(
     if disaggregated:
         # without it the router would send whole requests to prefill pods
         config["pd"] = pd_config(ipool, transfer or KVTransfer())
+    if route.api_keys_secret_ref is not None:  # the mounted Secrets (router_objects)
+        config["auth"] = {"api_keys": API_KEYS_DIR, "admin_keys": ADMIN_KEYS_DIR}
     RouterConfig.model_validate(config)
     return config
 
@@ -267,6 +271,9 @@ def router_objects(
         volumes.append(
             {"name": "api-keys", "secret": {"secretName": ipool.router.api_keys_secret_ref.name}}
         )
+        mounts.append({"name": "admin-keys", "mountPath": ADMIN_KEYS_DIR, "readOnly": True})
+        admin = {"secretName": f"{name}-admin-keys", "optional": True}
+        volumes.append({"name": "admin-keys", "secret": admin})
     container: Json = {
         "name": "router",
         "image": image,
