@@ -71,10 +71,11 @@ class Informer:
     # --- reads ---------------------------------------------------------------------
 
     def get(self, kind: str, namespace: str, name: str) -> Json | None:
-        return self._store[kind].get(namespace, {}).get(name)
+        """The cached object (None when absent, or of a kind not watched)."""
+        return self._store.get(kind, {}).get(namespace, {}).get(name)
 
     def objects(self, kind: str, namespace: str | None = None) -> list[Json]:
-        by_ns = self._store[kind]
+        by_ns = self._store.get(kind, {})
         if namespace is not None:
             return list(by_ns.get(namespace, {}).values())
         return [o for objs in by_ns.values() for o in objs.values()]
@@ -84,7 +85,7 @@ class Informer:
         return [(kind, obj) for (kind, _, _), obj in self._owned.get(uid, {}).items()]
 
     def namespaces(self, kind: str) -> Iterator[str]:
-        yield from list(self._store[kind])
+        yield from list(self._store.get(kind, {}))
 
     # --- lifecycle -----------------------------------------------------------------
 

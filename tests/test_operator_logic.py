@@ -9,6 +9,7 @@ import datetime as dt
 
 from kvplane.operator.compare import covers, quantity
 from kvplane.operator.peering import Peering, active, pauses
+from kvplane.operator.reconcile import PRUNABLE
 from kvplane.operator.workqueue import RETRY, Result, WorkQueue
 
 from kvplane.types import Json
@@ -117,3 +118,13 @@ def test_the_work_queue_coalesces_and_backs_off_per_key() -> None:
         await queue.stop()
 
     asyncio.run(scenario())
+
+
+def test_every_rendered_kind_is_watched_and_pruned() -> None:
+    """The operator compares what it renders with its watch cache and prunes by owner:
+    a kind rendered but not in PRUNABLE (and the chart's RBAC) would be re-applied on
+    every pass and never pruned."""
+    from test_render import SCENARIOS
+
+    rendered = {o["kind"] for s in SCENARIOS for o in s.render()}
+    assert rendered <= set(PRUNABLE), rendered - set(PRUNABLE)
