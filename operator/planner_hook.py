@@ -14,11 +14,11 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import httpx
 from kvplane.operator.api import (
@@ -43,6 +43,9 @@ from kvplane.router.kube import Kube
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 
 from kvplane.types import Json
+
+if TYPE_CHECKING:
+    from kvplane.operator.controller import Controller
 
 log = logging.getLogger("kvplane.operator.planner")
 
@@ -102,10 +105,14 @@ def setup_for(spec: InferencePoolSpec) -> PlannerSetup:
     return PlannerSetup(pd, spec.planner.profile, spec.planner.gpus_per_node)
 
 
+Objects = Callable[[str], list[Json]]  # kind -> the objects of that kind (a cache)
+
+
 @dataclass
 class PlannerHook:
-    kube: Kube
-    namespaces: Sequence[str | None]
+    kube: Kube  # writes: the InferencePool's status, the engine pools' replicas
+    objects: Objects  # reads: the operator's informer cache (no request at rest)
+    active: Callable[[], bool] = lambda: True  # kopf peering: only the active replica
     scrape: Scrape = scrape_router
     plan: Planner = simulate
     metrics: PlannerMetrics = field(default_factory=PlannerMetrics)
@@ -115,12 +122,13 @@ class PlannerHook:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(TICK_S)
-            for ns in self.namespaces:
+            if not self.active():
+                continue
+            for item in self.objects("InferencePool"):
                 try:
-                    for item in await self.kube.list("InferencePool", ns):
-                        await self.visit(item)
-                except Exception:  # the next tick retries
-                    log.exception("planner round failed")
+                    await self.visit(item)
+                except Exception:  # the next interval retries
+                    log.exception("planner: %s failed", item["metadata"].get("name"))
 
     async def visit(self, item: Json) -> Plan | None:
         """One pool: scrape if its interval has passed, plan if there was traffic."""
@@ -187,8 +195,9 @@ class PlannerHook:
         for kind in ("PrefillPool", "DecodePool"):
             mine = [
                 p
-                for p in await self.kube.list(kind, namespace)
-                if (p.get("spec", {}).get("poolRef") or {}).get("name") == name
+                for p in self.objects(kind)
+                if p["metadata"].get("namespace") == namespace
+                and (p.get("spec", {}).get("poolRef") or {}).get("name") == name
             ]
             if len(mine) != 1 or mine[0]["spec"].get("autoscaling"):
                 log.warning(
@@ -210,9 +219,10 @@ class PlannerHook:
         return True
 
 
-def start(kube: Kube, namespaces: Sequence[str | None]) -> asyncio.Task[None]:
-    """The operator's hook: the planner loop as a task (cancel it to stop)."""
-    hook = PlannerHook(kube, namespaces)
+def start(kube: Kube, controller: Controller) -> asyncio.Task[None]:
+    """The operator's hook: the planner loop over the controller's cache, writing only
+    while this replica is active (cancel the task to stop)."""
+    hook = PlannerHook(kube, controller.cache.objects, controller.active)
     serve_metrics(hook.metrics)
     return asyncio.create_task(hook.run(), name="kvplane-planner")
 

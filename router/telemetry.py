@@ -14,6 +14,7 @@ from typing import Any
 from kvplane.router.cost import CostTerms
 from kvplane.router.tiers import TIER_ORDER, Tier
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -163,7 +164,36 @@ class RouterMetrics:
             buckets=_FAST,
             registry=r,
         )
+        self.demotions = Counter(
+            "kvplane_router_backend_demotions",
+            "Pods taken out of rotation for a back-off (stalled, 5xx, dropped requests)",
+            (*lbl, "pod"),
+            registry=r,
+        )
+        # metrics with a pod label, and their label names: a pod that leaves takes its
+        # children with it (pods come and go with every rollout)
+        self.per_pod: list[tuple[MetricWrapperBase, tuple[str, ...]]] = [
+            (self.decisions, (*lbl, "reason", "pod")),
+            (self.retries, (*lbl, "pod")),
+            (self.backend_ttft, (*lbl, "pod")),
+            (self.backend_healthy, (*lbl, "pod")),
+            (self.inflight, (*lbl, "pod")),
+            (self.demotions, (*lbl, "pod")),
+            (self.pd_pairs, (*lbl, "prefill", "decode")),
+        ]
         self._children: dict[tuple[Any, ...], Any] = {}
+
+    def forget_pod(self, pod: str) -> None:
+        """Remove every child labelled with ``pod``."""
+        for metric, names in self.per_pod:
+            seen: set[tuple[str, ...]] = set()
+            for family in metric.collect():
+                for sample in family.samples:
+                    labels = sample.labels
+                    if pod in (labels.get("pod"), labels.get("prefill"), labels.get("decode")):
+                        seen.add(tuple(labels[n] for n in names))
+            for values in seen:
+                metric.remove(*values)
 
     def _child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(pool, model, *values)``, cached: labels() costs microseconds."""
@@ -195,7 +225,6 @@ class RouterMetrics:
             self._child(self.tier_hit_tokens, name).inc(tokens)
             self._child(self.tier_loads, name).inc()
             self._child(self.tier_load_seconds, name).observe(terms.loaded_ms.get(tier, 0.0) / 1000)
-
 
 def indexer_blocks(registry: CollectorRegistry) -> Counter:
     """The indexer's blocks written per event and tier (``CountedWrites``)."""

@@ -260,6 +260,6 @@ def engine_config_maps(
     out = []
     for cm in adapter(ipool.engine.kind).config_mounts(ipool_name, tiers):
         labels = {**names.common_labels(ipool_name, cm.component, cm.component)}
-        labels[names.LABEL_POOL] = ipool_name
+        labels[names.LABEL_POOL] = names.fit(ipool_name)
         out.append(k8s.config_map(cm.config_map, namespace, labels, {cm.key: cm.content}))
     return out

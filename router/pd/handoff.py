@@ -31,7 +31,7 @@ import httpx
 from kvplane.router import tracing
 from kvplane.router.config import BackendRole, PDConnector, PDSpec, RouterConfig
 from kvplane.router.cost import CostModel
-from kvplane.router.errors import APIError, sse_error
+from kvplane.router.errors import APIError, describe, sse_error
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
 from kvplane.router.load import Attempt, Booking
 from kvplane.router.pd import protocols
@@ -493,8 +493,8 @@ class PDService:
                     timeout=self._prefill_timeout(),
                 )
         except httpx.TransportError as exc:
-            self.pool.mark_unhealthy(pod)
-            raise LegFailed(pod, f"{type(exc).__name__}: {exc}") from exc
+            self.pool.mark_unhealthy(pod, f"prefill leg: {describe(exc)}")
+            raise LegFailed(pod, describe(exc)) from exc
         finally:
             attempt.end()
         if r.status_code >= 500:
@@ -539,8 +539,8 @@ class PDService:
                 resp = await self.client.send(req, stream=True)
         except httpx.TransportError as exc:
             attempt.end()
-            self.pool.mark_unhealthy(pod)
-            raise LegFailed(pod, f"{type(exc).__name__}: {exc}") from exc
+            self.pool.mark_unhealthy(pod, f"decode leg: {describe(exc)}")
+            raise LegFailed(pod, describe(exc)) from exc
         except BaseException:
             attempt.end()
             raise
