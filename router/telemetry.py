@@ -226,6 +226,7 @@ class RouterMetrics:
             self._child(self.tier_loads, name).inc()
             self._child(self.tier_load_seconds, name).observe(terms.loaded_ms.get(tier, 0.0) / 1000)
 
+
 def indexer_blocks(registry: CollectorRegistry) -> Counter:
     """The indexer's blocks written per event and tier (``CountedWrites``)."""
     return Counter(

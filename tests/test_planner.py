@@ -186,6 +186,7 @@ def test_the_hook_publishes_and_applies_the_plan(
     async def run() -> Plan | None:
         kube = await Kube.connect(str(c.kubeconfig))
         try:
+
             def objects(kind: str) -> list[Any]:  # what the operator's cache holds
                 items: list[Any] = c.kubectl_json("get", kind.lower(), "-n", ns)["items"]
                 return items
