@@ -19,10 +19,13 @@ from typing import Final
 
 from kvplane.router.app import make_discovery, make_index, pool_generation
 from kvplane.router.config import Backend, load_config
+from kvplane.router.index.base import ResidencyIndex
+from kvplane.router.index.instrumented import CountedWrites
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.index.redis_gc import DEFAULT_GRACE_S, run_collector
 from kvplane.router.kvevents.ownership import DEFAULT_LEASE_S, Ownership, new_owner_id
 from kvplane.router.kvevents.service import Indexer
+from kvplane.router.telemetry import indexer_blocks
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -35,8 +38,12 @@ ROUNDS_PER_LEASE: Final = 3  # ownership rounds per lease: a lease survives two 
 class IndexerCollector(Collector):
     """Exports the ingest and per-stream counters at scrape time."""
 
-    def __init__(self, indexer: Indexer, ownership: Ownership | None = None) -> None:
+    def __init__(
+        self, indexer: Indexer, index: ResidencyIndex, ownership: Ownership | None = None
+    ) -> None:
+        """``index``: the index the indexer writes, under any wrapper."""
         self._indexer = indexer
+        self._index = index
         self._ownership = ownership
 
     def collect(self) -> Iterator[Metric]:
@@ -55,7 +62,7 @@ class IndexerCollector(Collector):
         for pod, seconds in self._indexer.lag_s.items():
             lag.add_metric([pod], seconds)
         yield lag
-        index = self._indexer.index
+        index = self._index
         if isinstance(index, RedisIndex):
             yield GaugeMetricFamily(
                 "kvplane_indexer_pending_blocks",
@@ -135,12 +142,13 @@ async def run_indexer(
     generation = pool_generation(config)
     owner = indexer_id or new_owner_id()
     index = make_index(config, generation, owner if config.index.backend == "redis" else None)
-    indexer = Indexer(index, generation=generation, block_size=config.model.block_size)
+    registry = CollectorRegistry()
+    writes = CountedWrites(index, indexer_blocks(registry))
+    indexer = Indexer(writes, generation=generation, block_size=config.model.block_size)
     ownership = Ownership(index, owner, lease_s) if isinstance(index, RedisIndex) else None
     log.info("indexer %s (generation %s)", owner, generation)
     if metrics_port:
-        registry = CollectorRegistry()
-        registry.register(IndexerCollector(indexer, ownership))
+        registry.register(IndexerCollector(indexer, index, ownership))
         start_http_server(metrics_port, registry=registry)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
