@@ -114,6 +114,7 @@ local function apply(name, set, del)
   if #del > 0 then redis.call('HDEL', name, unpack(del)) end
 end
 local function unmark(name, f, sb)
+  if redis.call('EXISTS', name .. ARGV[2], name .. ARGV[3]) == 0 then return end
   for w = 2, 3 do
     local tn = name .. ARGV[w]
     if redis.call('EXISTS', tn) == 1 then
