@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="10M",
         help="the memory index is measured up to this size (it holds ~200 B/entry in Python)",
     )
+    g.add_argument(
+        "--redis-max-entries",
+        default=None,
+        help="one Redis is measured up to this size (default: every --entries); the cluster "
+        "always goes to the largest",
+    )
     g.add_argument("--ingest-pods", type=int, default=100, help="engine streams ingested at once")
     g.add_argument("--ingest-steps", type=int, default=150, help="engine steps per stream")
     g.add_argument("--ingest-procs", default="1,2", help="ingesting processes (Redis backends)")
@@ -117,7 +123,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(message, flush=True)
 
     entries, pods = _ints(args.entries), _ints(args.pods)
-    points = [(100, e) for e in entries] + [(p, max(entries)) for p in pods if p != 100]
+    caps = {"memory": _ints(args.memory_max_entries)[0]}
+    if args.redis_max_entries:
+        caps["redis"] = _ints(args.redis_max_entries)[0]
     shape = StreamShape(steps=args.ingest_steps)
     doc: dict[str, Any] = {
         "date": date.today().isoformat(),
@@ -150,8 +158,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             runs = ingest.run_all(servers, args.ingest_pods, procs, shape, say)
             doc["ingest"] = [r.as_dict() for r in runs]
         if "lookup" not in skip:
-            max_mem = _ints(args.memory_max_entries)[0]
-            runs_l = lookup.run_all(servers, points, args.lookups, max_mem, say)
+            plan = {n: lookup.points(entries, pods, caps.get(n)) for n in servers}
+            runs_l = lookup.run_all(servers, plan, args.lookups, say)
             doc["lookup"] = [r.as_dict() for r in runs_l]
     finally:
         for server in servers.values():

@@ -133,18 +133,25 @@ def measure(
     return asyncio.run(_measure(backend, local, Residency(pods, entries), lookups))
 
 
+def points(entries: list[int], pods: list[int], cap: int | None) -> list[tuple[int, int]]:
+    """(pods, entries) to measure: ``entries`` at 100 pods, then ``pods`` at the largest
+    size measured, every size at most ``cap``."""
+    sizes = [e for e in entries if cap is None or e <= cap]
+    if not sizes:
+        return []
+    return [(100, e) for e in sizes] + [(p, max(sizes)) for p in pods if p != 100]
+
+
 def run_all(
     backends: dict[str, LocalRedis | None],
-    points: list[tuple[int, int]],
+    plan: dict[str, list[tuple[int, int]]],
     lookups: int,
-    memory_max_entries: int,
     progress: Callable[[str], None],
 ) -> list[LookupRun]:
+    """``plan``: the (pods, entries) points of each backend."""
     out: list[LookupRun] = []
     for name, local in backends.items():
-        for pods, entries in points:
-            if local is None and entries > memory_max_entries:
-                continue
+        for pods, entries in plan[name]:
             run = measure(name, local, pods, entries, lookups)
             progress(
                 f"lookup {name} pods={pods} entries={run.entries:,}: p50 {run.p50_ms:.3f} "
