@@ -20,6 +20,7 @@ from kvplane.router.index.base import Blocks
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.index.redis_gc import collect, dead_slots
 from kvplane.router.index.redis_layout import SLOT_MUL
+from kvplane.router.index.redis_nodes import MAX_CONNECTIONS
 from kvplane.router.tiers import Tier
 
 from kvplane.local import redis as local_redis
@@ -94,6 +95,25 @@ async def test_removal_takes_blocks_out_of_redis(
         await index.remove("a", "1", Blocks.of_prompt(p), D)
     assert len(keys_of(server)) == baseline, "empty buckets must go"
     assert (await index.lookup(prompts[0], ["a"]))["a"][Tier.REMOTE] == 0
+
+
+async def test_a_fleet_of_concurrent_callers_waits_for_bounded_connections(
+    index: RedisIndex, server: local_redis.LocalRedis
+) -> None:
+    """An indexer starting 300 pods' streams at once, and as many lookups in flight: each
+    waits for one of the process' connections to the node (redis-py's plain pool
+    refused its 101st caller with ``Too many connections``), and the server sees no more
+    clients than the bound."""
+    rnd = random.Random(4)
+    pods = [f"p{i}" for i in range(300)]
+    await asyncio.gather(*(index.begin_incarnation(p, "1") for p in pods))
+    shared = prompt(rnd)
+    await asyncio.gather(*(index.store(p, "1", Blocks.of_prompt(shared), H) for p in pods))
+    answers = await asyncio.gather(*(index.lookup(shared, pods) for _ in range(300)))
+    assert all(a[p][H] == len(shared) for a in answers for p in pods)
+    with redis.Redis(port=server.port) as r:
+        clients = int(r.info("clients")["connected_clients"])
+    assert clients <= MAX_CONNECTIONS + 1  # + this one
 
 
 async def test_expired_tentative_marks_are_deleted(

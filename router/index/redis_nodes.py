@@ -31,6 +31,11 @@ SLOTS: Final = 16384
 # Errors after which the slot map is read again: a slot moved, a node failed over.
 _TOPOLOGY_ERRORS: Final = ("MOVED", "ASK", "CLUSTERDOWN", "TRYAGAIN", "non local key")
 
+# Connections a process holds per node: callers beyond them wait for one, up to the
+# socket timeout (redis-py's plain pool refuses its 101st connection outright, which
+# failed a fleet's worth of concurrent writes).
+MAX_CONNECTIONS: Final = 64
+
 Arg = bytes | str | int | float
 
 
@@ -66,8 +71,11 @@ class Nodes:
         tls: dict[str, Any] = {"ssl_ca_certs": ca_file} if ca_file else {}
         if tls and not url.startswith("rediss://"):
             raise ValueError("a CA file is for a rediss:// index")
-        self._seed = aioredis.ConnectionPool.from_url(
+        self._timeout_s = timeout_s
+        self._seed = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=timeout_s,
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             password=password,
@@ -131,8 +139,11 @@ class Nodes:
                 index[addr] = len(pools)
                 pool = old.pop(addr, None)
                 if pool is None:
-                    pool = aioredis.ConnectionPool(
-                        connection_class=cls, **{**kw, "host": addr[0], "port": addr[1]}
+                    pool = aioredis.BlockingConnectionPool(
+                        max_connections=MAX_CONNECTIONS,
+                        timeout=self._timeout_s,
+                        connection_class=cls,
+                        **{**kw, "host": addr[0], "port": addr[1]},
                     )
                 pools.append(pool)
             for slot in range(int(start), int(end) + 1):
@@ -171,17 +182,21 @@ class Nodes:
         pools = self._pools
         held: list[tuple[aioredis.ConnectionPool, AbstractConnection]] = []
         clean = False
+        # connections are taken in node order: callers waiting for a full pool never
+        # hold one another's next node
+        order = sorted(commands)
         try:
-            for node, cmds in commands.items():
+            for node in order:
                 pool = pools[node]
                 conn = await pool.get_connection()  # type: ignore[no-untyped-call]
                 held.append((pool, conn))
+                cmds = commands[node]
                 await conn.send_packed_command(conn.pack_commands(cmds), check_health=False)
             out: dict[int, list[Any]] = {}
             error: BaseException | None = None
-            for (_, conn), (node, cmds) in zip(held, commands.items(), strict=True):
+            for (_, conn), node in zip(held, order, strict=True):
                 replies: list[Any] = []
-                for _ in cmds:
+                for _ in commands[node]:
                     try:
                         replies.append(await conn.read_response())
                     except ResponseError as exc:  # the reply was read: the connection is fine
