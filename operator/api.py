@@ -483,6 +483,12 @@ class KVCacheTierSpec(Model):
         default=None, min_length=1, max_length=64, description="s3: the bucket's region"
     )
     credentials_secret_ref: LocalObjectRef | None = None
+    master_image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="mooncake: image with mooncake_master for the managed master "
+        "(default: the engine image for SGLang pools; required for vLLM pools)",
+    )
 
 
 class KVCacheTierStatus(Model):

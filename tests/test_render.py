@@ -212,6 +212,7 @@ SCENARIOS: list[Scenario] = [
                 "latencyMs": 1.0,
                 "compression": "cachegen",
                 "url": MANAGED_MOONCAKE_URL,
+                "masterImage": "registry.example.com/mooncake-master:0.3.13.post1",
             },
         ],
     ),
@@ -637,6 +638,11 @@ def test_render_errors() -> None:
     packed = remote.model_copy(update={"compression": Compression.CACHEGEN})
     with pytest.raises(RenderError, match="cannot compress the remote tier"):
         sglang_args(EnginePod(sglang, Role.DECODE, one, [packed]))
+    scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
+    tiers = [{k: v for k, v in t.items() if k != "masterImage"} for t in scenario.tiers]
+    no_image = Scenario("x", scenario.ipool, scenario.decodes, scenario.prefill, tiers)
+    with pytest.raises(RenderError, match="needs the tier's masterImage"):
+        no_image.render()
     tiny = _tier(tier="dram", capacityPerPod="512Mi")
     with pytest.raises(RenderError, match="whole GB"):
         sglang_args(EnginePod(sglang, Role.DECODE, one, [tiny]))
