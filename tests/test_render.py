@@ -632,6 +632,9 @@ def test_render_errors() -> None:
     s3 = _tier(tier="remote", backend="s3", url="s3://bucket/kv", region="eu-west-1")
     with pytest.raises(RenderError, match="no s3 storage backend"):
         sglang_args(EnginePod(sglang, Role.DECODE, one, [s3]))
+    lmcache_dram = _tier(tier="dram", backend="lmcache", capacityPerPod="8Gi")
+    with pytest.raises(RenderError, match="backend is native"):
+        sglang_args(EnginePod(sglang, Role.DECODE, one, [lmcache_dram]))
     arc = _tier(tier="dram", capacityPerPod="8Gi", evictionPolicy="arc")
     with pytest.raises(RenderError, match="cannot honour evictionPolicy arc"):
         sglang_args(EnginePod(sglang, Role.DECODE, one, [arc]))

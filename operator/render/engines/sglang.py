@@ -74,6 +74,8 @@ def hicache_args(plan: TierPlan, tensor_parallel_size: int) -> list[str]:
                 f"SGLang HiCache cannot compress the {tier.tier.value} tier "
                 f"({tier.compression.value}): use compression none"
             )
+    if plan.dram is not None and plan.dram.backend is not TierBackend.NATIVE:
+        raise RenderError("SGLang's host pool is HiCache's own: the dram tier's backend is native")
     args = ["--enable-hierarchical-cache"]
     if plan.dram is not None:
         per_rank = quantity_bytes(plan.dram.capacity_per_pod) // tensor_parallel_size
