@@ -61,6 +61,31 @@ def _router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epp(args: argparse.Namespace) -> int:
+    import pydantic
+    import yaml
+
+    from kvplane.router.models import load_pools
+
+    try:
+        configs = load_pools(args.config)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file not found: {args.config}") from exc
+    except (yaml.YAMLError, pydantic.ValidationError, ValueError) as exc:
+        raise ConfigError(f"invalid config {args.config}:\n{exc}") from exc
+    try:
+        from kvplane.router.epp.picker import PickerSettings
+        from kvplane.router.epp.server import serve
+    except ImportError as exc:  # the epp extra: grpcio and Envoy's protobufs
+        raise SystemExit(f"kvplane epp needs {exc.name}: pip install 'kvplane[epp]'") from exc
+    settings = PickerSettings(fallbacks=args.fallbacks, max_body_bytes=args.max_body_bytes)
+    try:
+        asyncio.run(serve(configs, args.port, settings, args.host, args.metrics_port))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    return 0
+
+
 def _indexer(args: argparse.Namespace) -> int:
     from kvplane.router.indexer_main import run_indexer
 
@@ -171,6 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="also ingest KV events in this process (the default with the in-memory index)",
     )
     r.set_defaults(handler=_router)
+
+    e = sub.add_parser(
+        "epp",
+        help="serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc gRPC)",
+    )
+    e.add_argument("--config", required=True, help="router config (YAML), or several: pools: [...]")
+    e.add_argument("--host", default="0.0.0.0")
+    e.add_argument("--port", type=int, default=9002, help="gRPC port (GIE's default: 9002)")
+    e.add_argument(
+        "--fallbacks",
+        type=int,
+        default=0,
+        help="endpoints after the chosen one, for a data plane that retries down the list "
+        "(Envoy's override_host policy; an ORIGINAL_DST cluster takes exactly one)",
+    )
+    e.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    e.add_argument("--metrics-port", type=int, default=9090, help="0 disables /metrics")
+    e.set_defaults(handler=_epp)
 
     i = sub.add_parser("indexer", help="ingest engine KV events into the Redis residency index")
     i.add_argument("--config", required=True, help="router config (YAML): backends and index")

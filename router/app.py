@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import time
@@ -18,7 +17,8 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from kvplane.router.config import Backend, RouterConfig
+from kvplane.router import runtime
+from kvplane.router.config import RouterConfig
 from kvplane.router.discovery import Discovery, StaticDiscovery
 from kvplane.router.errors import APIError
 from kvplane.router.forwarder import Forwarder
@@ -91,6 +91,7 @@ class Router:
     client: httpx.AsyncClient  # scrapes, /v1/models and the P/D legs; the proxy has its own
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     indexer: Indexer | None = None  # embedded KV event ingestion, if any
+    scraper: Scraper | None = None
     pd: PDService | None = None  # the P/D path, when config.pd is set
     metric_children: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
@@ -113,21 +114,6 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     if config.pd is not None:
         router.pd = PDService(config, pipeline, pool, index, metrics, client)
     return router
-
-
-async def _follow_discovery(router: Router, discovery: Discovery) -> None:
-    async for backends in discovery.watch():
-        await _apply_backends(router, backends)
-
-
-async def _apply_backends(router: Router, backends: list[Backend]) -> None:
-    _, removed = router.pool.set_backends(backends)
-    router.proxy.retain(s.backend.url for s in router.pool.states.values())
-    if router.indexer is not None:
-        await router.indexer.set_backends(backends)
-    for name in removed:
-        with contextlib.suppress(KeyError):
-            router.metrics.backend_healthy.remove(*router.metrics.labels.values(), name)
 
 
 def _headers(routed: Routed, request_id: str, pod: str, attempts: int) -> dict[str, str]:
@@ -162,37 +148,12 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        scraper = Scraper(router.pool, router.client, config.scrape_interval_s)
-        if embed:
-            router.indexer = Indexer(
-                router.index, generation=router.generation, block_size=config.model.block_size
-            )
-            await router.indexer.start()
-        watch = asyncio.create_task(_follow_discovery(router, discovery), name="discovery")
-        router.tasks.append(watch)
-        for _ in range(100):  # the first backend set, before serving
-            if router.pool.states or watch.done():
-                break
-            await asyncio.sleep(0.01)
-        await scraper.scrape_once()
-        scraper.start()
-        # What start-up built (tokenizer, templates, models, imports) lives as long as
-        # the process: out of the collector's sight, a full collection stays short
-        # instead of walking it all in some request's path.
-        gc.collect()
-        gc.freeze()
+        await runtime.start(router, discovery, embed)
+        runtime.settle()
         try:
             yield
         finally:
-            await scraper.stop()
-            if router.indexer is not None:
-                await router.indexer.stop()
-            for task in router.tasks:
-                task.cancel()
-            await router.client.aclose()
-            router.proxy.close()
-            await router.index.close()
-            router.tokenizer.close()
+            await runtime.stop(router)
 
     app = _RouterApp(title="kvplane router", lifespan=lifespan)
     app.state.router = router
@@ -218,7 +179,7 @@ def create_app(
                 await response(scope, receive, send)
                 return
             routed = await router.pipeline.route(req, defer_tail=True)
-            answer = _Answer(router, routed, request_id)
+            answer = Answer(router, routed, request_id)
             lines = header_lines(raw_headers, request_id.encode("latin-1"))
             dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
             _child(router, router.metrics.added, *label_values).observe(
@@ -357,7 +318,7 @@ def _check_model(config: RouterConfig, req: ParsedRequest) -> None:
         )
 
 
-class _Answer:
+class Answer:
     """How one routed request hears of its answer (the proxy's ``DispatchObserver``):
     the pod that takes it is marked as holding the prompt's blocks until its events say
     otherwise, and the engine's reported cached tokens feed the drift metrics."""
