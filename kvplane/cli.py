@@ -126,6 +126,14 @@ def _bench_pd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_gateway(args: argparse.Namespace) -> int:
+    from kvplane.bench import gateway
+
+    args.argv_echo = sys.argv[3:]
+    gateway.run(args)
+    return 0
+
+
 def _sim(args: argparse.Namespace) -> int:
     from kvplane.sim.main import run
 
@@ -278,6 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd_arguments(d)
     d.set_defaults(handler=_bench_pd)
+    g = bsub.add_parser(
+        "gateway", help="kvplane's endpoint picker behind real Envoy vs kvplane's router"
+    )
+    from kvplane.bench.gateway import add_arguments as gateway_arguments
+
+    gateway_arguments(g)
+    g.set_defaults(handler=_bench_gateway)
     return p
 
 

@@ -36,7 +36,7 @@ START_TIMEOUT_S = 60.0
 
 @dataclass(frozen=True, slots=True)
 class GatewaySpec:
-    picker: str  # host:port of the endpoint picker's gRPC server
+    picker: str  # host:port of the endpoint picker's gRPC server; "": no picker
     upstream: str = "original_dst"  # or "override_host"
     pool: Sequence[str] = ()  # ip:port of every pod (override_host only)
     failure_mode_allow: bool = False  # fail open: route without the picker when it is down
@@ -115,7 +115,7 @@ def _pool_cluster(spec: GatewaySpec) -> dict[str, Any]:
 
 def gateway_config(spec: GatewaySpec, port: int, admin_port: int) -> dict[str, Any]:
     """Envoy's bootstrap: one listener, the picker's filter, the pool's cluster."""
-    host, _, picker_port = spec.picker.rpartition(":")
+    host, _, picker_port = (spec.picker or "127.0.0.1:1").rpartition(":")
     route: dict[str, Any] = {"cluster": "pool", "timeout": "0s", "idle_timeout": "600s"}
     if spec.retries:
         route["retry_policy"] = {
@@ -137,7 +137,7 @@ def gateway_config(spec: GatewaySpec, port: int, admin_port: int) -> dict[str, A
             ],
         },
         http_filters=[
-            _ext_proc(spec),
+            *([_ext_proc(spec)] if spec.picker else []),
             _typed(
                 "envoy.filters.http.router",
                 "envoy.extensions.filters.http.router.v3.Router",
@@ -228,9 +228,10 @@ class RunningEnvoy:
 
 
 @contextlib.contextmanager
-def running_envoy(spec: GatewaySpec, log_dir: Path) -> Iterator[RunningEnvoy]:
-    """Envoy with ``gateway_config(spec)`` on free loopback ports, ready; stopped on exit."""
-    port, admin_port = free_port(), free_port()
+def running_envoy(spec: GatewaySpec, log_dir: Path, port: int = 0) -> Iterator[RunningEnvoy]:
+    """Envoy with ``gateway_config(spec)`` on loopback (``port``, or a free one), ready;
+    stopped on exit."""
+    port, admin_port = port or free_port(), free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
     config = log_dir / f"envoy-{port}.yaml"
     config.write_text(yaml.safe_dump(gateway_config(spec, port, admin_port)))
