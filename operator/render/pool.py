@@ -16,6 +16,7 @@ from kvplane.operator.render.engine import (
     engine_deployment,
     pd_transfer,
 )
+from kvplane.operator.render.gateway import gateway_objects
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.router import indexer_objects, router_objects
 
@@ -72,4 +73,5 @@ def inference_pool_objects(
             disaggregated=disaggregated,
             transfer=transfer,
         )
+    objects += gateway_objects(ipool_name, namespace, ipool, generation, default_image)
     return objects
