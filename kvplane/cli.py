@@ -21,24 +21,29 @@ class ConfigError(Exception):
 
 
 def _load(path: str) -> RouterConfig:
+    """The config's (first) pool; a readable error for a bad file."""
+    return _load_pools(path)[0]
+
+
+def _load_pools(path: str) -> list[RouterConfig]:
     import pydantic
     import yaml
 
-    from kvplane.router.config import load_config
+    from kvplane.router.models import load_pools
 
     try:
-        return load_config(path)
+        return load_pools(path)
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {path}") from exc
-    except (yaml.YAMLError, pydantic.ValidationError) as exc:
+    except (yaml.YAMLError, pydantic.ValidationError, ValueError) as exc:
         raise ConfigError(f"invalid config {path}:\n{exc}") from exc
 
 
 def _router(args: argparse.Namespace) -> int:
     import uvicorn
 
-    config = _load(args.config)  # fail fast, with a readable error, before forking
-    if args.workers > 1 and config.index.backend == "memory":
+    configs = _load_pools(args.config)  # fail fast, with a readable error, before forking
+    if args.workers > 1 and any(c.index.backend == "memory" for c in configs):
         print(
             "kvplane router: --workers > 1 needs a shared index (index.backend: redis); "
             "the in-memory index lives in one process",
@@ -62,17 +67,7 @@ def _router(args: argparse.Namespace) -> int:
 
 
 def _epp(args: argparse.Namespace) -> int:
-    import pydantic
-    import yaml
-
-    from kvplane.router.models import load_pools
-
-    try:
-        configs = load_pools(args.config)
-    except FileNotFoundError as exc:
-        raise ConfigError(f"config file not found: {args.config}") from exc
-    except (yaml.YAMLError, pydantic.ValidationError, ValueError) as exc:
-        raise ConfigError(f"invalid config {args.config}:\n{exc}") from exc
+    configs = _load_pools(args.config)
     try:
         from kvplane.router.epp.picker import PickerSettings
         from kvplane.router.epp.server import serve
@@ -194,7 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("router", help="serve the OpenAI-compatible cache-aware router")
-    r.add_argument("--config", required=True, help="router config (YAML), see docs/router.md")
+    r.add_argument(
+        "--config",
+        required=True,
+        help="router config (YAML, docs/router.md), or several pools: pools: [...]",
+    )
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--workers", type=int, default=1, help="processes (needs the Redis index)")

@@ -30,11 +30,12 @@ from kvplane.router.index.instrumented import InstrumentedIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.kvevents.service import Indexer
+from kvplane.router.models import ModelRegistry
 from kvplane.router.pd.handoff import PDService
 from kvplane.router.pipeline import Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
 from kvplane.router.proxy import Dispatch, Proxy
-from kvplane.router.request import ParsedRequest, parse_request
+from kvplane.router.request import parse_request
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
@@ -96,9 +97,18 @@ class Router:
     metric_children: dict[tuple[Any, ...], Any] = field(default_factory=dict)
 
 
-def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> Router:
+def build_router(
+    config: RouterConfig,
+    index: ResidencyIndex | None = None,
+    metrics: RouterMetrics | None = None,
+) -> Router:
+    """One pool's router state; ``metrics``: another pool's, whose registry this pool's
+    series join (one /metrics for several pools)."""
     generation = pool_generation(config)
-    metrics = RouterMetrics(config.pool, config.model.name)
+    if metrics is None:
+        metrics = RouterMetrics(config.pool, config.model.name)
+    else:
+        metrics = metrics.for_pool(config.pool, config.model.name)
     tokenizer = PromptTokenizer(config.model.tokenizer, config.model.chat_template)
     index = index or make_index(config, generation)
     pool = Pool()
@@ -135,29 +145,41 @@ def _headers(routed: Routed, request_id: str, pod: str, attempts: int) -> dict[s
 
 
 def create_app(
-    config: RouterConfig,
+    config: RouterConfig | Sequence[RouterConfig],
     discovery: Discovery | None = None,
     index: ResidencyIndex | None = None,
     embedded_indexer: bool | None = None,
 ) -> FastAPI:
-    """The router app. ``embedded_indexer`` (default: when the index is in memory)
-    runs KV event ingestion in this process."""
-    router = build_router(config, index)
-    discovery = discovery or make_discovery(config)
-    embed = config.index.backend == "memory" if embedded_indexer is None else embedded_indexer
+    """The router app over one pool or several (``models.ModelRegistry``: the request's
+    ``model`` picks the pool). ``embedded_indexer`` (default: when the index is in
+    memory) runs KV event ingestion in this process; ``discovery`` and ``index`` are
+    the first pool's."""
+    configs = [config] if isinstance(config, RouterConfig) else list(config)
+    router = build_router(configs[0], index)
+    registry = ModelRegistry(
+        [router, *(build_router(c, metrics=router.metrics) for c in configs[1:])]
+    )
+    discoveries = {id(router): discovery or make_discovery(configs[0])}
+
+    def embedded(r: Router) -> bool:
+        memory = r.config.index.backend == "memory"
+        return memory if embedded_indexer is None else embedded_indexer
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await runtime.start(router, discovery, embed)
+        for r in registry:
+            found = discoveries.get(id(r)) or make_discovery(r.config)
+            await runtime.start(r, found, embedded(r))
         runtime.settle()
         try:
             yield
         finally:
-            await runtime.stop(router)
+            for r in registry:
+                await runtime.stop(r)
 
     app = _RouterApp(title="kvplane router", lifespan=lifespan)
     app.state.router = router
-    labels = router.metrics.labels
+    app.state.registry = registry
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -168,10 +190,11 @@ def create_app(
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = _request_id(raw_headers)
         status = "error"
+        router = registry_default
         try:
             raw = await _read_body(receive)
             req = parse_request(raw, kind)
-            _check_model(config, req)
+            router = registry.resolve(req.model)
             if router.pd is not None:
                 headers = forward_headers(_str_headers(raw_headers), request_id)
                 response = await router.pd.serve(req, path, headers, request_id, received)
@@ -182,7 +205,7 @@ def create_app(
             answer = Answer(router, routed, request_id)
             lines = header_lines(raw_headers, request_id.encode("latin-1"))
             dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
-            _child(router, router.metrics.added, *label_values).observe(
+            _child(router, router.metrics.added, *router.metrics.labels.values()).observe(
                 time.perf_counter() - received
             )
             try:
@@ -195,9 +218,10 @@ def create_app(
         except ClientDisconnect:
             pass  # gone before its body arrived: nobody to answer
         finally:
-            _child(router, router.metrics.requests, *label_values, kind, status).inc()
+            values = router.metrics.labels.values()
+            _child(router, router.metrics.requests, *values, kind, status).inc()
 
-    label_values = tuple(labels.values())
+    registry_default = router
     # Raw ASGI endpoints on the hot path: no Request object, no response object, and
     # dispatched ahead of FastAPI's middleware stack. Also routes, for 405 on GET.
     for kind, path in (("completions", "/v1/completions"), ("chat", "/v1/chat/completions")):
@@ -211,30 +235,32 @@ def create_app(
         try:
             raw = await request.body()
             req = parse_request(raw)  # chat when the body has "messages"
-            _check_model(config, req)
-            if router.pd is not None:
-                return JSONResponse(router.pd.explain(await router.pd.route(req)))
-            routed = await router.pipeline.route(req)
+            pool = registry.resolve(req.model)
+            if pool.pd is not None:
+                return JSONResponse(pool.pd.explain(await pool.pd.route(req)))
+            routed = await pool.pipeline.route(req)
         except APIError as exc:
             return exc.response()
-        return JSONResponse(_explain_body(router, routed))
+        return JSONResponse(_explain_body(pool, routed))
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse(await _models(router))
+        return JSONResponse(await models_of(registry))
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = router.pool.healthy()
+        healthy = sum(len(r.pool.healthy()) for r in registry)
         if not healthy:
             return APIError(503, "no healthy backend").response()
-        return JSONResponse({"status": "ok", "healthy_backends": len(healthy)})
+        return JSONResponse({"status": "ok", "healthy_backends": healthy})
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        for name, st in router.pool.states.items():
-            router.metrics.backend_healthy.labels(**labels, pod=name).set(int(st.healthy))
-            router.metrics.inflight.labels(**labels, pod=name).set(st.inflight)
+        for r in registry:
+            own = r.metrics.labels
+            for name, st in r.pool.states.items():
+                r.metrics.backend_healthy.labels(**own, pod=name).set(int(st.healthy))
+                r.metrics.inflight.labels(**own, pod=name).set(st.inflight)
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -306,16 +332,6 @@ def _child(router: Router, metric: Any, *values: str) -> Any:
     if child is None:
         child = router.metric_children[key] = metric.labels(*values)
     return child
-
-
-def _check_model(config: RouterConfig, req: ParsedRequest) -> None:
-    if req.model != config.model.name:
-        raise APIError(
-            404,
-            f"The model `{req.model}` does not exist. This router serves `{config.model.name}`.",
-            param="model",
-            code="model_not_found",
-        )
 
 
 class Answer:
@@ -420,6 +436,15 @@ def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
         "generation": router.generation,
         "candidates": candidates,
     }
+
+
+async def models_of(registry: ModelRegistry) -> dict[str, Any]:
+    """Every pool's models, in pool order (a router or picker serving several)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for data in await asyncio.gather(*(_models(r) for r in registry)):
+        for d in data["data"]:
+            seen.setdefault(d["id"], d)
+    return {"object": "list", "data": list(seen.values())}
 
 
 async def _models(router: Router) -> dict[str, Any]:

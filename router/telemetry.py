@@ -7,6 +7,8 @@ what engines actually reuse.
 
 from __future__ import annotations
 
+import copy
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
@@ -14,6 +16,13 @@ _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class RouterMetrics:
+    def for_pool(self, pool: str, model: str) -> RouterMetrics:
+        """The same metrics (and registry) with another pool's labels: several pools in
+        one process export one set of families."""
+        view = copy.copy(self)
+        view.labels = {"pool": pool, "model": model}
+        return view
+
     def __init__(self, pool: str, model: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry

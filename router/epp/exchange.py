@@ -12,9 +12,11 @@ gateway's immediate answers in OpenAI's shape: 400 for a body the router refuses
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 
+from kvplane.router.app import models_of
 from kvplane.router.epp import messages as msg
 from kvplane.router.epp.messages import ProcessingRequest, ProcessingResponse
 from kvplane.router.epp.picker import ROUTE_KINDS, Pick, Picker, RequestHead, Ticket
@@ -70,6 +72,10 @@ class Exchange:
         request_id = h.get("x-request-id") or f"kvp-{uuid.uuid4().hex}"
         path = h.get(":path", "/").split("?", 1)[0]
         self._head = RequestHead(h.get(":method", "GET"), path, h, request_id, msg.subset_hint(req))
+        if self._head.method == "GET" and path == "/v1/models":  # every pool's, not one pod's
+            listing = json.dumps(await models_of(self._picker.registry)).encode()
+            self._done = True
+            return [msg.answer(200, listing, {"content-type": "application/json"})]
         if req.request_headers.end_of_stream or self._request_mode == _MODES.NONE:
             return [self._route(await self._pick(b""), None, "request_headers")]
         if self._request_mode == msg.FULL_DUPLEX:

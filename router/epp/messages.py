@@ -156,6 +156,15 @@ def response_headers(headers: Mapping[str, str]) -> pb.ProcessingResponse:
     return pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=common))
 
 
+def answer(status: int, body: bytes, headers: Mapping[str, str]) -> pb.ProcessingResponse:
+    """The gateway answers the client itself with ``body``."""
+    mutation = pb.HeaderMutation(set_headers=_set(headers))
+    reply = pb.ImmediateResponse(
+        status=http_status_pb2.HttpStatus(code=status), headers=mutation, body=body
+    )
+    return pb.ProcessingResponse(immediate_response=reply)
+
+
 def immediate(error: APIError, headers: Mapping[str, str] | None = None) -> pb.ProcessingResponse:
     """The gateway answers the client itself, in OpenAI's error shape."""
     mutation = pb.HeaderMutation(

@@ -74,7 +74,9 @@ async def start_picker(
     routers: Sequence[Router] | None = None,
 ) -> RunningPicker:
     """Build the pools, start their background work, then serve (port 0: a free one)."""
-    routers = list(routers) if routers is not None else [build_router(c) for c in configs]
+    if routers is None:
+        first = build_router(configs[0])  # the others export through its metrics registry
+        routers = [first, *(build_router(c, metrics=first.metrics) for c in configs[1:])]
     registry = ModelRegistry(routers)
     picker = Picker(registry, settings or PickerSettings())
     for router in routers:
@@ -105,10 +107,9 @@ async def serve(
 ) -> None:
     """Run until SIGTERM or SIGINT (``kvplane epp``)."""
     running = await start_picker(configs, port, settings, host)
-    if metrics_port:
-        for router in running.registry:  # one registry per pool; the first pool's port
-            start_http_server(metrics_port, registry=router.metrics.registry)
-            break
+    if metrics_port:  # every pool's series share the first pool's registry
+        first = next(iter(running.registry))
+        start_http_server(metrics_port, registry=first.metrics.registry)
     log.info("endpoint picker serving %s on %s:%d", running.registry.names(), host, running.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -52,7 +52,7 @@ class RunningRouter:
 
 @contextlib.contextmanager
 def serve_router(
-    config: RouterConfig, embedded_indexer: bool | None = None
+    config: RouterConfig | Sequence[RouterConfig], embedded_indexer: bool | None = None
 ) -> Iterator[RunningRouter]:
     app = create_app(config, embedded_indexer=embedded_indexer)
     with serve_in_thread(app) as port:
