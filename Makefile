@@ -1,13 +1,14 @@
 # The two commands a new machine needs (see README.md):
 #   make demo   start local vLLM engines, indexer and router; compare with round-robin
 #   make test   ruff, mypy and the whole pytest suite (real Redis, real vLLM engines)
+#   make image  build the image from the Dockerfile with buildah (no Docker daemon)
 SHELL := /bin/bash
 CACHE ?= $(HOME)/.cache/kvplane
 VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-k8s demo test lint typecheck bench-overhead
+.PHONY: setup setup-vllm setup-k8s setup-tools demo test lint typecheck image bench-overhead
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -17,6 +18,18 @@ setup-vllm: setup
 
 setup-k8s:
 	@bash scripts/setup-k8s.sh >/dev/null
+
+# What some tests run for real, each installed or built only if missing: buildah and
+# debootstrap (the image), prometheus, Grafana's dashboard schema and the Prometheus
+# adapter (dashboards and autoscaling), Jaeger (tracing)
+setup-tools:
+	@bash scripts/setup-apt.sh
+	@bash scripts/setup-dashboard-schema.sh >/dev/null
+	@bash scripts/setup-prometheus-adapter.sh >/dev/null
+	@bash scripts/setup-jaeger.sh >/dev/null
+
+image: setup-tools
+	@bash scripts/build-image.sh
 
 demo: setup-vllm
 	$(VENV)/bin/kvplane demo $(DEMO_ARGS)
@@ -35,7 +48,7 @@ typecheck: setup
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
 		$(ROOT)/e2e/conftest.py $(ROOT)/e2e/test_suite.py
 
-test: setup-vllm setup-k8s lint typecheck
+test: setup-vllm setup-k8s setup-tools lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench-overhead: setup

@@ -20,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict, JsonValue
 
+from kvplane.sim.profiles import PROFILES
+
 GROUP = "kvplane.io"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -191,6 +193,19 @@ class IndexSpec(Model):
     external: ExternalRedis | None = None
 
 
+class NetworkPolicySpec(Model):
+    enabled: bool = Field(
+        default=True,
+        description="NetworkPolicies: only the router and indexer reach the engines' KV "
+        "event and replay ports, only the router their HTTP port, only they the Redis",
+    )
+    metrics_from: list[FreeForm] = Field(
+        default_factory=list,
+        description="NetworkPolicy peers (e.g. Prometheus) that may also reach the engines' "
+        "HTTP port, which serves /metrics",
+    )
+
+
 class PoolRefs(Model):
     prefill: LocalObjectRef | None = None
     decode: list[LocalObjectRef] = Field(default_factory=list)
@@ -218,8 +233,56 @@ class GatewaySpec(Model):
     )
 
 
+class ServiceLevel(Model):
+    """The pool's latency targets: the predictedTTFT autoscaling signal and the P:D
+    planner aim at them."""
+
+    ttft_ms: Annotated[float, Field(gt=0, description="time to first token, p90")]
+    itl_ms: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="inter-token latency, p99"
+    )
+
+
+class PlannerMode(StrEnum):
+    RECOMMEND = "recommend"  # publish the plan in status and as a metric
+    APPLY = "apply"  # and size the prefill and decode Deployments by it
+
+
+class PlannerSpec(Model):
+    """The P:D planner (docs/deploy.md, Operations): from the router's observed workload,
+    the prefill and decode replicas that meet ``slo``, found in the P/D simulation."""
+
+    model_config = validated(
+        cel("self.maxReplicas >= self.minReplicas", "maxReplicas must be >= minReplicas")
+    )
+
+    mode: PlannerMode = PlannerMode.RECOMMEND
+    interval_seconds: Annotated[int, Field(ge=10, le=86400)] = 120
+    min_replicas: Annotated[int, Field(ge=2, le=1000)] = 2
+    max_replicas: Annotated[int, Field(ge=2, le=1000)] = 16
+    profile: str = Field(
+        default="h100-llama-3.1-8b",
+        description="the simulator's engine profile the plan is made with (kvplane sim)",
+        json_schema_extra={"enum": list[JsonValue](sorted(PROFILES))},
+    )
+    gpus_per_node: Annotated[int, Field(ge=0, le=64)] = 8
+
+
+class TracingSpec(Model):
+    """OpenTelemetry traces: the router's spans per request, exported over OTLP, and the
+    engines' own (vLLM ``--otlp-traces-endpoint``), joined by W3C trace context."""
+
+    endpoint: Annotated[
+        str, Field(pattern=r"^https?://", description="OTLP/HTTP collector, e.g. http://otel:4318")
+    ]
+    sampling_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    engines: bool = Field(default=True, description="the engines export their spans too")
+
+
 class InferencePoolSpec(Model):
     """One served model: engine, model identity, router and residency index."""
+
+    model_config = validated(cel("!has(self.planner) || has(self.slo)", "the planner needs slo"))
 
     model: ModelIdentity
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -234,6 +297,10 @@ class InferencePoolSpec(Model):
         default=None,
         description="also render a GIE InferencePool whose endpoint picker is kvplane's",
     )
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    slo: ServiceLevel | None = None
+    planner: PlannerSpec | None = Field(default=None, description="needs slo")
+    tracing: TracingSpec | None = None
 
 
 class Condition(Model):
@@ -252,6 +319,19 @@ class PoolStatusEntry(Model):
     ready_replicas: int = 0
 
 
+class PlanStatus(Model):
+    """The P:D planner's last recommendation."""
+
+    prefill_replicas: int
+    decode_replicas: int
+    meets_targets: bool
+    predicted_ttft_p90_ms: float | None = None
+    predicted_itl_p99_ms: float | None = None
+    observed: str = Field(default="", description="the workload it was planned for")
+    applied: bool = False
+    planned_at: str | None = None
+
+
 class InferencePoolStatus(Model):
     observed_generation: int | None = None
     generation_tag: str | None = None
@@ -259,6 +339,7 @@ class InferencePoolStatus(Model):
     mode: str | None = Field(default=None, description="aggregated or disaggregated")
     pools: list[PoolStatusEntry] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
+    plan: PlanStatus | None = None
 
 
 # --- PrefillPool / DecodePool ----------------------------------------------------
@@ -267,6 +348,7 @@ class InferencePoolStatus(Model):
 class ScaleSignal(StrEnum):
     KV_CACHE_PRESSURE = "kvCachePressure"
     QUEUE_DEPTH = "queueDepth"
+    PREDICTED_TTFT = "predictedTTFT"  # the router's predicted TTFT p90 against the pool's SLO
 
 
 class Autoscaling(Model):
@@ -278,7 +360,10 @@ class Autoscaling(Model):
     max_replicas: Annotated[int, Field(ge=1, le=1000)]
     signal: ScaleSignal = ScaleSignal.KV_CACHE_PRESSURE
     target: Annotated[float, Field(gt=0)] = Field(
-        default=0.8, description="kv cache usage (0..1) or waiting requests per replica"
+        default=0.8,
+        description="kv cache usage (0..1), waiting requests per replica, or (predictedTTFT) "
+        "the router's predicted TTFT p90 in seconds; predictedTTFT defaults to the "
+        "InferencePool's slo.ttftMs",
     )
 
 
@@ -304,8 +389,9 @@ class EnginePoolSpec(Model):
             "set replicas or autoscaling, not both",
         ),
         cel(
-            "self.gpusPerReplica % self.tensorParallelSize == 0",
-            "gpusPerReplica must be a multiple of tensorParallelSize",
+            "self.gpusPerReplica == self.tensorParallelSize",
+            "gpusPerReplica must equal tensorParallelSize: one engine per pod (data-parallel "
+            "ranks would publish KV events on ports that discovery does not follow)",
         ),
     )
 
@@ -410,6 +496,16 @@ class KVCacheTierSpec(Model):
 
 class KVCacheTierStatus(Model):
     observed_generation: int | None = None
-    ready: bool = False
-    endpoints: list[str] = Field(default_factory=list)
+    ready: bool = Field(default=False, description="the tier is valid for every pool using it")
+    endpoints: list[str] = Field(default_factory=list, description="a remote store's host:port")
+    pools: list[str] = Field(default_factory=list, description="InferencePools that use it")
     conditions: list[Condition] = Field(default_factory=list)
+
+
+# An InferencePool's name begins the names of its Services, which are DNS-1035 labels:
+# a letter first, no dots (longer names are shortened with a hash, so any length works).
+POOL_NAME_RULE: JsonDict = cel(
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+    "an InferencePool name must start with a letter and hold only lowercase letters, "
+    "digits and '-': it begins the names of the pool's Services (DNS-1035 labels)",
+)

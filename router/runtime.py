@@ -6,7 +6,6 @@ these two calls."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 from typing import TYPE_CHECKING
 
@@ -25,6 +24,7 @@ async def start(router: Router, discovery: Discovery, embed: bool) -> None:
     """Follow ``discovery``, scrape the backends once and then on an interval, and
     ingest KV events in this process when ``embed``."""
     config = router.config
+    await router.gate.start()
     router.scraper = Scraper(router.pool, router.client, config.scrape_interval_s)
     if embed:
         router.indexer = Indexer(
@@ -50,6 +50,7 @@ def settle() -> None:
 
 
 async def stop(router: Router) -> None:
+    await router.gate.stop()
     if router.scraper is not None:
         await router.scraper.stop()
     if router.indexer is not None:
@@ -60,6 +61,8 @@ async def stop(router: Router) -> None:
     router.proxy.close()
     await router.index.close()
     router.tokenizer.close()
+    router.pipeline.close()
+    router.tracing.shutdown()
 
 
 async def _follow_discovery(router: Router, discovery: Discovery) -> None:
@@ -72,6 +75,8 @@ async def apply_backends(router: Router, backends: list[Backend]) -> None:
     router.proxy.retain(s.backend.url for s in router.pool.states.values())
     if router.indexer is not None:
         await router.indexer.set_backends(backends)
-    for name in removed:
-        with contextlib.suppress(KeyError):
-            router.metrics.backend_healthy.remove(*router.metrics.labels.values(), name)
+    for name in removed:  # nothing kept per pod outlives it
+        router.metrics.forget_pod(name)
+        router.proxy.forget(name)
+        for key in [k for k in router.metric_children if k[-1] == name]:
+            del router.metric_children[key]

@@ -66,6 +66,7 @@ def pool_config(tok: Path, backends: list[dict[str, Any]], **extra: Any) -> Rout
                 "chat_template": CHAT_TEMPLATE,
             },
             "backends": backends,
+            "auth": {"route_headers": True},  # the tests read x-kvplane-pod
             "scrape_interval_s": 0.2,
             **extra,
         }
@@ -239,6 +240,50 @@ def test_a_body_over_the_limit_is_413(tokenizer_dir: Path, fleet: SimFleet, tmp_
             timeout=TIMEOUT,
         )
         assert r.status_code == 413 and "too large" in r.json()["error"]["message"]
+
+
+def test_the_picker_applies_the_routers_auth(
+    tokenizer_dir: Path, fleet: SimFleet, tmp_path: Path
+) -> None:
+    """API keys as the router checks them (401 in OpenAI's shape from the gateway),
+    pod and reason to a tenant with auth.route_headers, residency (predicted cached
+    tokens) to admins only, admin paths refused to a tenant (403)."""
+    (tmp_path / "api").write_text("tenant-a\n")
+    (tmp_path / "admin").write_text("root-key\n")
+    auth = {
+        "api_keys": str(tmp_path / "api"),
+        "admin_keys": str(tmp_path / "admin"),
+        "route_headers": True,
+    }
+    config = pool_config(tokenizer_dir, fleet.backends(), auth=auth)
+    body = {"model": "tiny", "prompt": unique(), "max_tokens": 2}
+    with (
+        serve_picker([config]) as p,
+        running_envoy(GatewaySpec(p.address), tmp_path / "envoy") as e,
+    ):
+        url = f"{e.url}/v1/completions"
+        refused = httpx.post(url, json=body, timeout=TIMEOUT)
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["type"] == "authentication_error"  # as the router
+        wrong = httpx.post(
+            url, json=body, headers={"authorization": "Bearer nope"}, timeout=TIMEOUT
+        )
+        assert wrong.status_code == 401
+        models = httpx.get(f"{e.url}/v1/models", timeout=TIMEOUT)
+        assert models.status_code == 401
+        tenant = {"authorization": "Bearer tenant-a"}
+        r = httpx.post(url, json=body, headers=tenant, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvplane-pod"] and r.headers["x-kvplane-reason"]
+        assert "x-kvplane-predicted-cached-tokens" not in r.headers
+        explain = httpx.post(f"{e.url}/kvplane/explain", json=body, headers=tenant, timeout=TIMEOUT)
+        assert explain.status_code == 403
+        admin = httpx.post(
+            url, json=body, headers={"authorization": "Bearer root-key"}, timeout=TIMEOUT
+        )
+        assert admin.status_code == 200
+        assert int(admin.headers["x-kvplane-predicted-cached-tokens"]) >= 0
+        wait_idle(p)
 
 
 def test_no_healthy_pod_is_503(tokenizer_dir: Path, tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ def pools(tok: Path, fleets: dict[str, SimFleet]) -> list[RouterConfig]:
             "pool": f"pool-{model}",
             "model": {"name": model, "tokenizer": str(tok), "chat_template": CHAT_TEMPLATE},
             "backends": fleets[model].backends(),
+            "auth": {"route_headers": True},  # the tests read x-kvplane-pod
             "scrape_interval_s": 0.2,
         }
 

@@ -71,7 +71,11 @@ class Exchange:
         h = msg.header_map(req.request_headers)
         request_id = h.get("x-request-id") or f"kvp-{uuid.uuid4().hex}"
         path = h.get(":path", "/").split("?", 1)[0]
-        self._head = RequestHead(h.get(":method", "GET"), path, h, request_id, msg.subset_hint(req))
+        method, subset = h.get(":method", "GET"), msg.subset_hint(req)
+        self._head = RequestHead(method, path, h, request_id, subset)  # a refusal's id
+        # the router's auth (the first pool's, as the router applies it): 401/403/404
+        role = self._picker.gate.role(path, _raw(h))
+        self._head = RequestHead(method, path, h, request_id, subset, role)
         if self._head.method == "GET" and path == "/v1/models":  # every pool's, not one pod's
             listing = json.dumps(await models_of(self._picker.registry)).encode()
             self._done = True
@@ -164,3 +168,7 @@ class Exchange:
         route = ROUTE_KINDS.get(self._head.path, "other") if self._head else "other"
         status = str(ticket.status) if ticket.status else "error"
         m.requests.labels(**m.labels, route=route, status=status).inc()
+
+
+def _raw(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvplane.router.app import Answer, Router
+from kvplane.router.auth import Disclosure, Role, disclose, disclosure
 from kvplane.router.config import PDConnector
 from kvplane.router.epp.endpoints import Endpoints
 from kvplane.router.errors import APIError
@@ -48,6 +49,7 @@ class RequestHead:
     headers: dict[str, str]
     request_id: str
     subset: list[str] | None = None  # the data plane's envoy.lb.subset_hint
+    role: Role = Role.USER  # the caller's, by the router's auth (auth.Gate)
 
 
 class Ticket:
@@ -142,6 +144,7 @@ class PDTicket(Ticket):
         ranked: list[str],
         served: Served,
         request_id: str,
+        level: Disclosure,
     ) -> None:
         d = routed.decision
         n = len(routed.tokens)
@@ -154,6 +157,7 @@ class PDTicket(Ticket):
         }
         super().__init__(router, ranked, uncached, n)
         self.routed, self.plan, self.request_id = routed, served, request_id
+        self.level = level
         self.predicted: int | None = None
 
     def _answered(self, pod: str, attempts: int) -> dict[str, str]:
@@ -162,7 +166,7 @@ class PDTicket(Ticket):
         served = Served(p.reason, pod, p.prefill, p.prefill_attempts, attempts)
         headers, option = self.router.pd.answered(self.routed, served, self.request_id)
         self.predicted = option.prefill_terms.cached_tokens if option is not None else None
-        return headers
+        return disclose(headers, self.level)
 
     def _reported(self, cached: int) -> None:
         if self.plan.prefill is None:  # a handed-off prompt's reuse was on the prefill pod
@@ -187,6 +191,7 @@ class Picker:
     def __init__(self, registry: ModelRegistry, settings: PickerSettings) -> None:
         self.registry = registry
         self.settings = settings
+        self.gate = next(iter(registry)).gate  # the router's auth: the first pool's
         self._endpoints = {id(r): Endpoints(r.pool) for r in registry}
         for r in registry:
             if r.config.pd is not None and r.config.pd.connector is not PDConnector.NIXL:
@@ -223,7 +228,8 @@ class Picker:
             routed = await router.pipeline.route(req, exclude, defer_tail=True)
             d = routed.decision
             ranked = [p for p in d.ranked if p not in exclude]
-            answer = Answer(router, routed, head.request_id)
+            level = disclosure(head.role, router.config.auth)
+            answer = Answer(router, routed, head.request_id, level)
             ticket = RoutedTicket(router, answer, ranked, routed.prompt.n_tokens)
             pick = Pick(self._targets(router, ranked), ticket)
         m = router.metrics
@@ -262,7 +268,8 @@ class Picker:
         ranked = [p for p in ranked if p not in exclude and p != plan.prefill]
         if not ranked:
             raise APIError(503, "no decode pod within the data plane's endpoint subset")
-        ticket = PDTicket(router, routed, ranked, plan, head.request_id)
+        level = disclosure(head.role, router.config.auth)
+        ticket = PDTicket(router, routed, ranked, plan, head.request_id, level)
         return Pick(self._targets(router, ranked), ticket, body)
 
     def pick_any(self, head: RequestHead, body: bytes) -> Pick:
