@@ -17,13 +17,12 @@ from __future__ import annotations
 from typing import Final
 
 from kvplane.operator.api import GatewaySpec, InferencePoolSpec
-from kvplane.operator.render import k8s, names
+from kvplane.operator.render import k8s, names, stores
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.router import (
     CONFIG_DIR,
     CONFIG_PATH,
     MODELS_DIR,
-    _index_env,
     _tokenizer_init,
 )
 
@@ -84,7 +83,7 @@ def picker_objects(
             "--metrics-port",
             str(PICKER_METRICS_PORT),
         ],
-        "env": _index_env(ipool),
+        "env": stores.index_env(ipool_name, ipool),
         "ports": [
             k8s.port(PORT_GRPC, gateway.port),
             k8s.port(PORT_METRICS, PICKER_METRICS_PORT),
