@@ -47,7 +47,7 @@ from kvplane.bench.procs import (
     wait_ready,
 )
 from kvplane.bench.replay import ReplayItem, replay
-from kvplane.bench.routers import DEFAULT_ROUTERS, EngineEndpoint, ModelFacts, launch_for
+from kvplane.bench.routers import DEFAULT_ROUTERS, EngineEndpoint, ModelFacts, start_router
 from kvplane.router.config import CostParams
 from kvplane.router.tiers import Tier
 from kvplane.workload.results import RequestResult, oracle_hit_ratio, summarize
@@ -151,20 +151,19 @@ def run_one(
     load_factor: float = 1.0,
 ) -> RunOutput:
     fleet = start_fleet(args, facts.tokenizer, rundir, facts.block_size)
-    launch = launch_for(router, facts, fleet.engines, rundir)
-    rproc = spawn(router, launch.argv, rundir, launch.env)
+    running = start_router(router, facts, fleet.engines, rundir, args.time_scale)
     try:
         probe = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 1}).encode()
-        if not wait_ready(rproc, launch.port, 120, probe):
-            raise SystemExit(f"bench routing: router {router} not ready:\n{rproc.tail()}")
+        if not wait_ready(running, running.port, 120, probe):
+            raise SystemExit(f"bench routing: router {router} not ready:\n{running.tail()}")
         # the probe cached a block somewhere: forget it so every router starts cold
         time.sleep(1.0)
-        cpu0 = cpu_seconds(rproc.popen.pid)
+        cpu0 = sum(cpu_seconds(pid) for pid in running.pids)
         stats0 = fleet.stats()
         bar = Progress(f"{workload.name} x{load_factor:g} {router}", not args.no_progress)
         results, wall = asyncio.run(
             replay(
-                f"http://{HOST}:{launch.port}",
+                f"http://{HOST}:{running.port}",
                 MODEL,
                 router,
                 items,
@@ -173,10 +172,10 @@ def run_one(
                 progress=bar,
             )
         )
-        cpu = cpu_seconds(rproc.popen.pid) - cpu0
+        cpu = sum(cpu_seconds(pid) for pid in running.pids) - cpu0
         stats1 = fleet.stats()
     finally:
-        rproc.stop()
+        running.stop()
         fleet.proc.stop()
     prefill = {
         s1["name"]: int(s1["prefill_tokens_computed"]) - int(s0["prefill_tokens_computed"])
@@ -263,11 +262,12 @@ def model_facts(
 ) -> ModelFacts:
     """The fleet as kvplane is told of it, calibrated as the discrete-event mode is
     (``cost_params_for``); ``cost_set`` overrides cost keys (experiments)."""
-    from kvplane.sim.des import cost_params_for
+    from kvplane.sim.des import cost_params_for, profile_for
     from kvplane.sim.profiles import PROFILES
 
     prof = PROFILES[args.profile]
     cost = cost_params_for(prof)
+    engine = profile_for(args.profile, args.block_size)
     return ModelFacts(
         name=MODEL,
         tokenizer=tokenizer,
@@ -278,6 +278,8 @@ def model_facts(
         decode_step_ms=cost.decode_step_ms,
         dram=cost.tiers[Tier.DRAM] if prof.cpu_offload_blocks else None,
         cost_set=dict(cost_set or {}),
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        kv_blocks=engine.num_gpu_blocks,
     )
 
 
