@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
-from kvplane.bench.peers import BACKEND_HEADER, OVERHEAD_HEADER
+from kvplane.bench.peers import BACKEND_HEADER, OVERHEAD_HEADER, worker_of
 from kvplane.workload.results import RequestResult
 from kvplane.workload.traces import TraceRequest
 
@@ -33,6 +34,15 @@ class ReplayItem:
     prompt: str
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    """What one router needs beyond the common request: fields added to every body, and
+    the names of the workers it reports by id in a chunk's ``nvext.worker_id`` (Dynamo)."""
+
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
+    worker_names: Mapping[int, str] = field(default_factory=dict)
+
+
 async def _one(
     client: httpx.AsyncClient,
     url: str,
@@ -41,9 +51,11 @@ async def _one(
     item: ReplayItem,
     time_scale: float,
     timeout_s: float,
+    options: ReplayOptions,
 ) -> RequestResult:
     req = item.request
-    body = {
+    body: dict[str, Any] = {
+        **options.extra_body,
         "model": model,
         "prompt": item.prompt,
         "max_tokens": req.output_tokens,
@@ -81,6 +93,8 @@ async def _one(
                     if "error" in chunk:
                         error = str(chunk["error"])[:200]
                         break
+                    if backend is None and options.worker_names:
+                        backend = options.worker_names.get(worker_of(chunk) or -1)
                     now = time.perf_counter()
                     choices = chunk.get("choices") or []
                     if choices and choices[0].get("text"):
@@ -128,8 +142,10 @@ async def replay(
     timeout_s: float = 600.0,
     max_connections: int = 512,
     progress: Callable[[int, int], None] | None = None,
+    options: ReplayOptions | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Sends every item at its arrival time; returns results and the wall duration."""
+    opts = options or ReplayOptions()
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
     done = 0
     results: list[RequestResult | None] = [None] * len(items)
@@ -141,7 +157,7 @@ async def replay(
             delay = t0 + item.request.arrival_s * time_scale - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            results[i] = await _one(client, url, model, router, item, time_scale, timeout_s)
+            results[i] = await _one(client, url, model, router, item, time_scale, timeout_s, opts)
             done += 1
             if progress is not None:
                 progress(done, len(items))

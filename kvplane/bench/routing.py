@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.bench import routing_report
+from kvplane.bench.peers import dynamo, dynamo_mocker
 from kvplane.bench.procs import (
     HOST,
     Proc,
@@ -46,11 +47,11 @@ from kvplane.bench.procs import (
     versions,
     wait_ready,
 )
-from kvplane.bench.replay import ReplayItem, replay
+from kvplane.bench.replay import ReplayItem, ReplayOptions, replay
 from kvplane.bench.routers import DEFAULT_ROUTERS, EngineEndpoint, ModelFacts, start_router
 from kvplane.router.config import CostParams
 from kvplane.router.tiers import Tier
-from kvplane.workload.results import RequestResult, oracle_hit_ratio, summarize
+from kvplane.workload.results import RequestResult, computed_prefill, oracle_hit_ratio, summarize
 from kvplane.workload.traces import WORKLOAD_NAMES, PromptBuilder, Workload, build_workload
 
 MODEL = "sim-llama-3.1-8b"
@@ -99,6 +100,9 @@ class Fleet:
                 out.append(json.loads(r.read()))
         return out
 
+    def stop(self) -> None:
+        self.proc.stop()
+
 
 def start_fleet(
     args: argparse.Namespace,
@@ -140,6 +144,28 @@ class RunOutput:
     results: list[RequestResult]
 
 
+def start_mocker_fleet(
+    args: argparse.Namespace, facts: ModelFacts, rundir: Path, *, pooled: bool
+) -> dynamo_mocker.MockerFleet:
+    """Dynamo's mockers with the run's engine profile (capacity, budget, CPU tier)."""
+    from kvplane.sim.des import profile_for
+
+    prof = profile_for(args.profile, args.block_size)
+    spec = dynamo_mocker.MockerSpec(
+        model=MODEL,
+        tokenizer=facts.tokenizer,
+        block_size=facts.block_size,
+        kv_blocks=facts.kv_blocks,
+        max_num_batched_tokens=facts.max_num_batched_tokens,
+        max_model_len=facts.max_model_len,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        time_scale=args.time_scale,
+        host_blocks=prof.cpu_offload_blocks,
+        host_gbps=prof.cpu_bandwidth_gbps,
+    )
+    return dynamo_mocker.start_fleet(spec, args.engines, rundir, pooled=pooled)
+
+
 def run_one(
     router: str,
     workload: Workload,
@@ -150,8 +176,25 @@ def run_one(
     rundir: Path,
     load_factor: float = 1.0,
 ) -> RunOutput:
-    fleet = start_fleet(args, facts.tokenizer, rundir, facts.block_size)
-    running = start_router(router, facts, fleet.engines, rundir, args.time_scale)
+    mockers = args.fleet == "dynamo-mocker"
+    fleet: Fleet | dynamo_mocker.MockerFleet = (
+        start_mocker_fleet(args, facts, rundir, pooled=dynamo.is_frontend_peer(router))
+        if mockers
+        else start_fleet(args, facts.tokenizer, rundir, facts.block_size)
+    )
+    engines = fleet.engines if isinstance(fleet, Fleet) else fleet.endpoints
+    opts = ReplayOptions()
+    try:
+        if dynamo.is_frontend_peer(router):
+            if not isinstance(fleet, dynamo_mocker.MockerFleet):
+                raise SystemExit(f"bench routing: {router} runs on --fleet dynamo-mocker only")
+            running = fleet.start_frontend(router)
+            opts = ReplayOptions(dynamo_mocker.WORKER_ID_BODY, fleet.worker_names)
+        else:
+            running = start_router(router, facts, engines, rundir, args.time_scale)
+    except BaseException:
+        fleet.stop()
+        raise
     try:
         probe = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 1}).encode()
         if not wait_ready(running, running.port, 120, probe):
@@ -159,7 +202,7 @@ def run_one(
         # the probe cached a block somewhere: forget it so every router starts cold
         time.sleep(1.0)
         cpu0 = sum(cpu_seconds(pid) for pid in running.pids)
-        stats0 = fleet.stats()
+        stats0 = fleet.stats() if isinstance(fleet, Fleet) else []
         bar = Progress(f"{workload.name} x{load_factor:g} {router}", not args.no_progress)
         results, wall = asyncio.run(
             replay(
@@ -170,17 +213,21 @@ def run_one(
                 time_scale=args.time_scale,
                 timeout_s=args.request_timeout,
                 progress=bar,
+                options=opts,
             )
         )
         cpu = sum(cpu_seconds(pid) for pid in running.pids) - cpu0
-        stats1 = fleet.stats()
+        stats1 = fleet.stats() if isinstance(fleet, Fleet) else []
     finally:
         running.stop()
-        fleet.proc.stop()
-    prefill = {
-        s1["name"]: int(s1["prefill_tokens_computed"]) - int(s0["prefill_tokens_computed"])
-        for s0, s1 in zip(stats0, stats1, strict=True)
-    }
+        fleet.stop()
+    if stats1:
+        prefill = {
+            s1["name"]: int(s1["prefill_tokens_computed"]) - int(s0["prefill_tokens_computed"])
+            for s0, s1 in zip(stats0, stats1, strict=True)
+        }
+    else:  # engines without counters: what the client saw (prompt - cached per engine)
+        prefill = computed_prefill(results, [e.name for e in engines])
     offered = len(items) / max(items[-1].request.arrival_s, 1e-9) if items else 0.0
     rec = summarize(
         router,
@@ -197,10 +244,14 @@ def run_one(
     )
     out = rec.to_json()
     out["load_factor"] = load_factor
-    # engines whose event loop fell behind the modeled timeline (an overloaded machine):
-    # such a run's latencies include the machine's, not only the fleet's
-    out["sim_max_lag_s"] = round(max(float(s.get("max_lag_s", 0.0)) for s in stats1), 3)
-    out["sim_lag_resyncs"] = sum(int(s.get("lag_resyncs", 0)) for s in stats1)
+    out["fleet"] = args.fleet
+    out["prefill_tokens_computed"] = sum(prefill.values())
+    out.update({k: str(v) for k, v in running.notes.items()})
+    if stats1:
+        # engines whose event loop fell behind the modeled timeline (an overloaded
+        # machine): such a run's latencies include the machine's, not only the fleet's
+        out["sim_max_lag_s"] = round(max(float(s.get("max_lag_s", 0.0)) for s in stats1), 3)
+        out["sim_lag_resyncs"] = sum(int(s.get("lag_resyncs", 0)) for s in stats1)
     out["error_samples"] = sorted({str(r.error) for r in results if r.error})[:5]
     return RunOutput(out, results)
 
@@ -210,6 +261,12 @@ def run_one(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("http", "des"), default="http")
+    p.add_argument(
+        "--fleet",
+        choices=("sim", "dynamo-mocker"),
+        default="sim",
+        help="engines: kvplane's simulator, or Dynamo's mockers (python -m dynamo.mocker)",
+    )
     p.add_argument("--workloads", default="mooncake,gsp", help=f"comma list of {WORKLOAD_NAMES}")
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help="comma list")
     p.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace")
