@@ -101,6 +101,13 @@ def _bench_pd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_tail(args: argparse.Namespace) -> int:
+    from kvplane.bench import tail
+
+    tail.run(args)
+    return 0
+
+
 def _sim(args: argparse.Namespace) -> int:
     from kvplane.sim.main import run
 
@@ -222,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(o)
     o.set_defaults(handler=_bench_overhead)
     r = bsub.add_parser(
-        "routing", help="routing quality vs vllm-router and sglang-router on a simulated fleet"
+        "routing",
+        help="routing quality vs NVIDIA Dynamo, vllm-router and sglang-router on a simulated fleet",
     )
     from kvplane.bench.routing import add_arguments as routing_arguments
 
@@ -235,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd_arguments(d)
     d.set_defaults(handler=_bench_pd)
+    t = bsub.add_parser("tail", help="which requests make a routing run's TTFT tail, and why")
+    from kvplane.bench.tail import add_arguments as tail_arguments
+
+    tail_arguments(t)
+    t.set_defaults(handler=_bench_tail)
     return p
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvplane.bench import routing_report
+from kvplane.bench import floor, routing_report
 from kvplane.bench.peers import dynamo, dynamo_mocker
 from kvplane.bench.procs import (
     HOST,
@@ -51,8 +51,20 @@ from kvplane.bench.replay import ReplayItem, ReplayOptions, replay
 from kvplane.bench.routers import DEFAULT_ROUTERS, EngineEndpoint, ModelFacts, start_router
 from kvplane.router.config import CostParams
 from kvplane.router.tiers import Tier
-from kvplane.workload.results import RequestResult, computed_prefill, oracle_hit_ratio, summarize
-from kvplane.workload.traces import WORKLOAD_NAMES, PromptBuilder, Workload, build_workload
+from kvplane.workload.results import (
+    RequestResult,
+    computed_prefill,
+    oracle_hit_ratio,
+    save_results,
+    summarize,
+)
+from kvplane.workload.traces import (
+    WORKLOAD_NAMES,
+    PromptBuilder,
+    TraceRequest,
+    Workload,
+    build_workload,
+)
 
 MODEL = "sim-llama-3.1-8b"
 
@@ -144,14 +156,12 @@ class RunOutput:
     results: list[RequestResult]
 
 
-def start_mocker_fleet(
-    args: argparse.Namespace, facts: ModelFacts, rundir: Path, *, pooled: bool
-) -> dynamo_mocker.MockerFleet:
+def mocker_spec(args: argparse.Namespace, facts: ModelFacts) -> dynamo_mocker.MockerSpec:
     """Dynamo's mockers with the run's engine profile (capacity, budget, CPU tier)."""
     from kvplane.sim.des import profile_for
 
     prof = profile_for(args.profile, args.block_size)
-    spec = dynamo_mocker.MockerSpec(
+    return dynamo_mocker.MockerSpec(
         model=MODEL,
         tokenizer=facts.tokenizer,
         block_size=facts.block_size,
@@ -163,7 +173,12 @@ def start_mocker_fleet(
         host_blocks=prof.cpu_offload_blocks,
         host_gbps=prof.cpu_bandwidth_gbps,
     )
-    return dynamo_mocker.start_fleet(spec, args.engines, rundir, pooled=pooled)
+
+
+def start_mocker_fleet(
+    args: argparse.Namespace, facts: ModelFacts, rundir: Path, *, pooled: bool
+) -> dynamo_mocker.MockerFleet:
+    return dynamo_mocker.start_fleet(mocker_spec(args, facts), args.engines, rundir, pooled=pooled)
 
 
 def run_one(
@@ -294,7 +309,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--save-requests", default=None, help="folder for per-request results (jsonl.xz)"
+    )
     p.add_argument("--quick", action="store_true", help="a small smoke run")
+    p.add_argument(
+        "--tag",
+        default="",
+        help="names this table: its JSON file and its own RESULTS.md section",
+    )
 
 
 # Offered load per workload (x its native rate) that puts the best peer near
@@ -340,6 +363,63 @@ def model_facts(
     )
 
 
+def _floor_model(
+    args: argparse.Namespace, builder: PromptBuilder, facts: ModelFacts, rundir: Path
+) -> floor.PrefillModel:
+    """The fleet's idle-engine timing model: kvplane's simulator in closed form, Dynamo's
+    mocker measured on a grid (once per invocation)."""
+    from kvplane.sim.des import profile_for
+
+    if args.fleet != "dynamo-mocker":
+        return floor.sim_model(profile_for(args.profile, args.block_size))
+    spec = mocker_spec(args, facts)
+
+    def text(seed: int, n: int) -> str:
+        segs = tuple(CALIBRATION_SEGMENTS + seed * 1000 + k for k in range(n // 512 + 1))
+        return builder.text(TraceRequest(0.0, "calibration", n, 1, segs, 512))
+
+    grid = dynamo_mocker.calibrate(spec, rundir, text)
+    print(f"mocker idle-engine TTFT grid (ms): {json.dumps(grid.to_json())}", flush=True)
+    args.floor_grid = grid.to_json()
+    return grid
+
+
+CALIBRATION_SEGMENTS = 10**9  # segment ids no workload uses
+
+
+def best_dynamo(runs: Sequence[Mapping[str, Any]], workload: str) -> str | None:
+    """The Dynamo setting with the lowest TTFT p90 at the base load of ``workload``."""
+    rows = [
+        r
+        for r in runs
+        if r["workload"] == workload
+        and float(r.get("load_factor", 1.0)) == 1.0
+        and (dynamo.is_selector_peer(r["router"]) or dynamo.is_frontend_peer(r["router"]))
+        and not r.get("errors")
+        and r.get("ttft_p90_ms") is not None
+    ]
+    return min(rows, key=lambda r: r["ttft_p90_ms"])["router"] if rows else None
+
+
+def sweep_routers(
+    args: argparse.Namespace, runs: Sequence[Mapping[str, Any]], wl: str
+) -> list[str]:
+    """``--sweep-routers``, with ``@best-dynamo`` resolved from the base load's rows."""
+    out: list[str] = []
+    for name in csv_list(args.sweep_routers):
+        if name == BEST_DYNAMO:
+            best = best_dynamo(runs, wl)
+            if best is None:
+                continue
+            name = best
+        if name not in out:
+            out.append(name)
+    return out
+
+
+BEST_DYNAMO = "@best-dynamo"
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     if args.quick:
@@ -355,7 +435,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _run_des(args, builder, routers, sweep)
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-routing-") as tmp:
         rundir = Path(tmp)
+        model = _floor_model(args, builder, facts, rundir)
         for wname in csv_list(args.workloads):
+            fl: floor.Floor | None = None
             for factor in [1.0, *[f for f in sweep if f != 1.0]]:
                 wl = build_workload(
                     wname,
@@ -364,12 +446,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     start=0,
                     rate_scale=_rate(args, wname) * factor,
                 )
+                fl = fl or floor.floor_of(wl, args.block_size, model)
                 oracle = oracle_hit_ratio(builder, wl, args.block_size)
                 items = [ReplayItem(r, builder.text(r)) for r in wl.requests]
-                names = routers if factor == 1.0 else csv_list(args.sweep_routers)
+                names = routers if factor == 1.0 else sweep_routers(args, runs, wname)
                 for router in names:
                     out = run_one(router, wl, items, oracle, facts, args, rundir, factor)
                     out.record["sweep"] = bool(sweep)
+                    out.record.update(fl.quantiles(), slo_ms=round(fl.slo_ms, 3))
+                    if args.save_requests:
+                        name = f"{args.fleet}-{args.profile}-{wname}-{router}-x{factor:g}"
+                        save_results(Path(args.save_requests) / f"{name}.jsonl.xz", out.results)
                     runs.append(_with_quantiles(out.record, out.results, factor))
                     _print_row(out.record)
     return _finish(args, runs)
@@ -389,7 +476,9 @@ def _run_des(
         r for r in ours if r != "kvplane-sticky"
     ]
     runs: list[dict[str, Any]] = []
+    model = floor.sim_model(profile_for(args.profile, args.block_size))
     for wname in csv_list(args.workloads):
+        fl: floor.Floor | None = None
         for factor in [1.0, *[f for f in sweep if f != 1.0]]:
             wl = build_workload(
                 wname,
@@ -398,6 +487,7 @@ def _run_des(
                 start=0,
                 rate_scale=_rate(args, wname) * factor,
             )
+            fl = fl or floor.floor_of(wl, args.block_size, model)
             opts = DesOptions(oracle=oracle_hit_ratio(wl, args.block_size), cost=cost)
             for router in ours if factor == 1.0 else sweepers:
                 bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
@@ -414,6 +504,13 @@ def _run_des(
                 row = rec.to_json()
                 row["load_factor"] = factor
                 row["sweep"] = bool(sweep)
+                row["prefill_tokens_computed"] = sum(
+                    r.prompt_tokens - (r.cached_tokens or 0) for r in results if r.ok
+                )
+                row.update(fl.quantiles(), slo_ms=round(fl.slo_ms, 3))
+                if args.save_requests:
+                    name = f"des-{args.profile}-{wname}-{router}-x{factor:g}"
+                    save_results(Path(args.save_requests) / f"{name}.jsonl.xz", results)
                 runs.append(_with_quantiles(row, results, factor))
                 _print_row(row)
     return _finish(args, runs)
@@ -453,20 +550,23 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
             "block size": args.block_size,
             "time scale": args.time_scale,
             "requests per workload": args.limit,
+            **({"fleet": args.fleet} if args.fleet != "sim" else {}),
             **({"kvplane cost": args.cost_set} if args.cost_set else {}),
         },
         "machine": machine_info(),
         "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
         "runs": runs,
     }
-    doc["targets"] = routing_report.check_targets(runs)
+    if getattr(args, "floor_grid", None):
+        doc["mocker_floor_grid"] = args.floor_grid
+    _score(doc)
     print(routing_report.table(runs))
     for t in doc["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['workload']}: {t['target']} = {t['value']}")
     if args.no_write:
         return doc
     out_dir, md = results_dir(args.out_dir)
-    suffix = "" if args.mode == "http" else "-des"
+    suffix = ("" if args.mode == "http" else "-des") + (f"-{args.tag}" if args.tag else "")
     stem = out_dir / f"routing{suffix}-{date}"
     json_path = stem.with_suffix(".json")
 
@@ -497,7 +597,7 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
                 == slice_of(r)
             ]
             doc["runs"] = kept + runs
-            doc["targets"] = routing_report.check_targets(doc["runs"])
+            _score(doc)
             doc["earlier_commands"] = [
                 *old.get("earlier_commands", []),
                 old.get("command", ""),
@@ -510,10 +610,22 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
         doc, bench_relative(json_path), [bench_relative(p) for p in plots]
     )
     heading = routing_report.SECTION + ("" if args.mode == "http" else " (discrete-event)")
+    heading += f": {args.tag}" if args.tag else ""
     section = section.replace(routing_report.SECTION, heading, 1)
     update_markdown(md, section, heading)
     print(f"wrote {json_path} and {md}")
     return doc
+
+
+def _score(doc: dict[str, Any]) -> None:
+    """Targets and goodput of the document's rows (recomputed as rows accumulate)."""
+    runs = doc["runs"]
+    slo = {r["workload"]: float(r["slo_ms"]) for r in runs if r.get("slo_ms")}
+    sweeps = [r for r in runs if r.get("sweep")]
+    doc["goodput"] = floor.goodput_table(sweeps, slo) if sweeps else []
+    doc["targets"] = routing_report.check_targets(runs) + routing_report.dynamo_targets(
+        runs, doc["goodput"]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

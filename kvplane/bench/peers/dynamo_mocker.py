@@ -29,10 +29,14 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+import httpx
+
+from kvplane.bench.floor import GridModel
 from kvplane.bench.peers.dynamo import (
     FRONTEND_PREFIX,
     DynamoSetting,
@@ -249,3 +253,45 @@ def start_fleet(
 
 
 WORKER_ID_BODY: Final[dict[str, Any]] = {"nvext": {"extra_fields": ["worker_id"]}}
+
+
+# --------------------------------------------------------------------------- floor
+
+CALIBRATION_NEW: Final = (64, 1024, 4096, 8192, 16384, 32768)
+CALIBRATION_CACHED: Final = (0, 8192, 32768)
+
+
+def _ttft_ms(client: httpx.Client, url: str, model: str, prompt: str, time_scale: float) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True}
+    t0 = time.perf_counter()
+    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and '"text":"' in line and '"text":""' not in line:
+                return (time.perf_counter() - t0) * 1000.0 / time_scale
+    raise RuntimeError("calibration: no token received")
+
+
+def calibrate(spec: MockerSpec, rundir: Path, text: Callable[[int, int], str]) -> GridModel:
+    """The mocker's idle-engine TTFT on a grid of (new, cached) tokens, measured on one
+    fresh mocker at the benchmark's time scale: the floor's timing model for the mocker
+    fleet. ``text(seed, n)`` is a prompt of exactly ``n`` tokens (BOS included) whose
+    first ``m`` tokens are those of ``text(seed, m)``."""
+    fleet = start_fleet(spec, 1, rundir / "calibration", pooled=False)
+    url = fleet.urls[0]
+    rows: list[list[float]] = [[0.0] * len(CALIBRATION_CACHED) for _ in CALIBRATION_NEW]
+    try:
+        with httpx.Client(timeout=600.0) as client:
+            seed = 0
+            for j, cached in enumerate(CALIBRATION_CACHED):
+                for i, new in enumerate(CALIBRATION_NEW):
+                    seed += 1
+                    if cached:  # cache the prefix first (whole blocks)
+                        _ttft_ms(client, url, spec.model, text(seed, cached + 1), spec.time_scale)
+                    prompt = text(seed, cached + new)
+                    rows[i][j] = round(
+                        _ttft_ms(client, url, spec.model, prompt, spec.time_scale), 3
+                    )
+    finally:
+        fleet.stop()
+    return GridModel(CALIBRATION_NEW, CALIBRATION_CACHED, tuple(tuple(r) for r in rows))
