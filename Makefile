@@ -7,7 +7,7 @@ VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-k8s demo test lint typecheck bench-overhead
+.PHONY: setup setup-vllm setup-k8s setup-dynamo demo test lint typecheck bench-overhead
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -17,6 +17,10 @@ setup-vllm: setup
 
 setup-k8s:
 	@bash scripts/setup-k8s.sh >/dev/null
+
+# NVIDIA Dynamo, the peer router the routing benchmark and its tests run (about 30 s once)
+setup-dynamo:
+	@bash scripts/setup-dynamo.sh
 
 demo: setup-vllm
 	$(VENV)/bin/kvplane demo $(DEMO_ARGS)
@@ -35,7 +39,7 @@ typecheck: setup
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
 		$(ROOT)/e2e/conftest.py $(ROOT)/e2e/test_suite.py
 
-test: setup-vllm setup-k8s lint typecheck
+test: setup-vllm setup-k8s setup-dynamo lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench-overhead: setup

@@ -285,6 +285,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default="mooncake,gsp", help=f"comma list of {WORKLOAD_NAMES}")
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help="comma list")
     p.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace")
+    p.add_argument(
+        "--shape",
+        default="",
+        help="synthetic workloads' sizes, e.g. 'long-doc-qa:documents=40,repeat_count=4;"
+        "multi-round-qa:users=64,rounds=8' (the builders' keyword arguments)",
+    )
     p.add_argument("--limit", type=int, default=400, help="requests per workload")
     p.add_argument("--rate-scale", type=float, default=None, help="offered load multiplier")
     p.add_argument("--engines", type=int, default=8)
@@ -304,6 +310,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="",
         help="kvplane cost settings, e.g. recompute_weight=4 (experiments; the report's "
         "setup names them)",
+    )
+    p.add_argument(
+        "--policy-set",
+        default="",
+        help="kvplane cost-policy options, e.g. attention_ms_per_mtok2=0 (experiments)",
     )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
@@ -331,17 +342,39 @@ DEFAULT_RATE_SCALE = {
 }
 
 
+def shapes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--shape 'long-doc-qa:documents=40,repeat_count=4;multi-round-qa:users=64'``."""
+    out: dict[str, dict[str, Any]] = {}
+    for part in (getattr(args, "shape", "") or "").split(";"):
+        if part.strip():
+            name, sep, settings = part.partition(":")
+            if not sep:
+                raise SystemExit(f"bench: expected workload:key=value,..., got {part!r}")
+            out[name.strip()] = parse_settings(settings)
+    return out
+
+
 def _rate(args: argparse.Namespace, workload: str) -> float:
     if args.rate_scale is not None:
         return float(args.rate_scale)
     return float(DEFAULT_RATE_SCALE.get(workload, 1.0) * args.engines / 8)
 
 
+def policy_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The cost policy's options as calibrated for the profile (``policy_options_for``),
+    ``--policy-set`` on top (experiments)."""
+    from kvplane.sim.des import policy_options_for, profile_for
+
+    calibrated = policy_options_for(profile_for(args.profile, args.block_size))["cost"]
+    return {**calibrated, **parse_settings(getattr(args, "policy_set", "") or "")}
+
+
 def model_facts(
     args: argparse.Namespace, tokenizer: Path, cost_set: Mapping[str, Any] | None = None
 ) -> ModelFacts:
     """The fleet as kvplane is told of it, calibrated as the discrete-event mode is
-    (``cost_params_for``); ``cost_set`` overrides cost keys (experiments)."""
+    (``cost_params_for``, ``policy_options_for``); ``cost_set`` overrides cost keys and
+    ``--policy-set`` the cost policy's options (experiments)."""
     from kvplane.sim.des import cost_params_for, profile_for
     from kvplane.sim.profiles import PROFILES
 
@@ -358,6 +391,7 @@ def model_facts(
         decode_step_ms=cost.decode_step_ms,
         dram=cost.tiers[Tier.DRAM] if prof.cpu_offload_blocks else None,
         cost_set=dict(cost_set or {}),
+        policy_options=policy_options(args),
         max_num_batched_tokens=engine.max_num_batched_tokens,
         kv_blocks=engine.num_gpu_blocks,
     )
@@ -445,6 +479,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     limit=args.limit,
                     start=0,
                     rate_scale=_rate(args, wname) * factor,
+                    shape=shapes(args).get(wname),
                 )
                 fl = fl or floor.floor_of(wl, args.block_size, model)
                 oracle = oracle_hit_ratio(builder, wl, args.block_size)
@@ -486,9 +521,14 @@ def _run_des(
                 limit=args.limit or None,
                 start=0,
                 rate_scale=_rate(args, wname) * factor,
+                shape=shapes(args).get(wname),
             )
             fl = fl or floor.floor_of(wl, args.block_size, model)
-            opts = DesOptions(oracle=oracle_hit_ratio(wl, args.block_size), cost=cost)
+            opts = DesOptions(
+                oracle=oracle_hit_ratio(wl, args.block_size),
+                cost=cost,
+                policy_options={"cost": policy_options(args)},
+            )
             for router in ours if factor == 1.0 else sweepers:
                 bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
                 rec, results = run_des(
@@ -551,7 +591,9 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
             "time scale": args.time_scale,
             "requests per workload": args.limit,
             **({"fleet": args.fleet} if args.fleet != "sim" else {}),
+            **({"workload shapes": args.shape} if args.shape else {}),
             **({"kvplane cost": args.cost_set} if args.cost_set else {}),
+            **({"kvplane policy": args.policy_set} if args.policy_set else {}),
         },
         "machine": machine_info(),
         "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
