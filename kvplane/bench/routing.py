@@ -311,11 +311,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="kvplane cost settings, e.g. recompute_weight=4 (experiments; the report's "
         "setup names them)",
     )
-    p.add_argument(
-        "--policy-set",
-        default="",
-        help="kvplane cost-policy options, e.g. attention_ms_per_mtok2=0 (experiments)",
-    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -360,21 +355,11 @@ def _rate(args: argparse.Namespace, workload: str) -> float:
     return float(DEFAULT_RATE_SCALE.get(workload, 1.0) * args.engines / 8)
 
 
-def policy_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The cost policy's options as calibrated for the profile (``policy_options_for``),
-    ``--policy-set`` on top (experiments)."""
-    from kvplane.sim.des import policy_options_for, profile_for
-
-    calibrated = policy_options_for(profile_for(args.profile, args.block_size))["cost"]
-    return {**calibrated, **parse_settings(getattr(args, "policy_set", "") or "")}
-
-
 def model_facts(
     args: argparse.Namespace, tokenizer: Path, cost_set: Mapping[str, Any] | None = None
 ) -> ModelFacts:
     """The fleet as kvplane is told of it, calibrated as the discrete-event mode is
-    (``cost_params_for``, ``policy_options_for``); ``cost_set`` overrides cost keys and
-    ``--policy-set`` the cost policy's options (experiments)."""
+    (``cost_params_for``); ``cost_set`` overrides cost keys (experiments)."""
     from kvplane.sim.des import cost_params_for, profile_for
     from kvplane.sim.profiles import PROFILES
 
@@ -391,7 +376,6 @@ def model_facts(
         decode_step_ms=cost.decode_step_ms,
         dram=cost.tiers[Tier.DRAM] if prof.cpu_offload_blocks else None,
         cost_set=dict(cost_set or {}),
-        policy_options=policy_options(args),
         max_num_batched_tokens=engine.max_num_batched_tokens,
         kv_blocks=engine.num_gpu_blocks,
     )
@@ -524,11 +508,7 @@ def _run_des(
                 shape=shapes(args).get(wname),
             )
             fl = fl or floor.floor_of(wl, args.block_size, model)
-            opts = DesOptions(
-                oracle=oracle_hit_ratio(wl, args.block_size),
-                cost=cost,
-                policy_options={"cost": policy_options(args)},
-            )
+            opts = DesOptions(oracle=oracle_hit_ratio(wl, args.block_size), cost=cost)
             for router in ours if factor == 1.0 else sweepers:
                 bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
                 rec, results = run_des(
@@ -593,7 +573,6 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
             **({"fleet": args.fleet} if args.fleet != "sim" else {}),
             **({"workload shapes": args.shape} if args.shape else {}),
             **({"kvplane cost": args.cost_set} if args.cost_set else {}),
-            **({"kvplane policy": args.policy_set} if args.policy_set else {}),
         },
         "machine": machine_info(),
         "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
