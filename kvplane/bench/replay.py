@@ -129,6 +129,7 @@ async def _one(
         backend=backend,
         arrival_s=req.arrival_s,
         error=error,
+        overhead_s=overhead_s,
     )
 
 

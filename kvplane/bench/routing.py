@@ -55,6 +55,7 @@ from kvplane.workload.results import (
     RequestResult,
     computed_prefill,
     oracle_hit_ratio,
+    percentile,
     save_results,
     summarize,
 )
@@ -268,6 +269,10 @@ def run_one(
         out["sim_max_lag_s"] = round(max(float(s.get("max_lag_s", 0.0)) for s in stats1), 3)
         out["sim_lag_resyncs"] = sum(int(s.get("lag_resyncs", 0)) for s in stats1)
     out["error_samples"] = sorted({str(r.error) for r in results if r.error})[:5]
+    taken = [r.overhead_s * 1000.0 for r in results if r.overhead_s]
+    if taken:  # a peer proxy's tokenizer time, taken out of its TTFT (wall ms)
+        out["peer_tokenize_ms_p50"] = round(percentile(taken, 50), 3)
+        out["peer_tokenize_ms_p99"] = round(percentile(taken, 99), 3)
     return RunOutput(out, results)
 
 

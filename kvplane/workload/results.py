@@ -39,6 +39,7 @@ class RequestResult:
     arrival_s: float = 0.0
     error: str | None = None
     output_tokens: int | None = None
+    overhead_s: float = 0.0  # a peer proxy's own work, taken out of ttft_s (benchmarks)
 
 
 def mean_itl(t_first: float, t_last: float, n_tokens: int) -> float | None:
