@@ -50,6 +50,8 @@ def test_grid_model_interpolates_measured_points() -> None:
     assert grid(544, 0) == pytest.approx(30.0)  # halfway between 64 and 1024
     assert grid(1024, 4096) == pytest.approx(47.5)  # halfway in context
     assert grid(16384, 0) == pytest.approx(220.0 + 180.0 * 8192 / 7168)  # linear beyond
+    # the rate a router is calibrated with: between the two longest fresh prompts
+    assert grid.prefill_tokens_per_s() == pytest.approx(7168 / 180.0 * 1000.0)
 
 
 def test_goodput_is_the_load_where_p90_crosses_the_slo() -> None:

@@ -89,6 +89,12 @@ class GridModel:
         t = (cached - cs[j]) / (cs[j + 1] - cs[j])
         return max(0.0, lo + (hi - lo) * t)
 
+    def prefill_tokens_per_s(self) -> float:
+        """The fresh-prompt prefill rate between the two longest measured prompts (what
+        an operator calibrates a router's cost model with)."""
+        (n0, n1), (t0, t1) = self.new[-2:], (self.ms[-2][0], self.ms[-1][0])
+        return (n1 - n0) / max(t1 - t0, 1e-9) * 1000.0
+
     def to_json(self) -> dict[str, Any]:
         return {
             "new": list(self.new),

@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -459,6 +459,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-routing-") as tmp:
         rundir = Path(tmp)
         model = _floor_model(args, builder, facts, rundir)
+        if isinstance(model, floor.GridModel):  # kvplane calibrated to the mocker's prefill
+            facts = replace(facts, prefill_tokens_per_s=model.prefill_tokens_per_s())
+            args.mocker_prefill_tokens_per_s = round(facts.prefill_tokens_per_s)
         for wname in csv_list(args.workloads):
             fl: floor.Floor | None = None
             for factor in [1.0, *[f for f in sweep if f != 1.0]]:
@@ -585,6 +588,7 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
     }
     if getattr(args, "floor_grid", None):
         doc["mocker_floor_grid"] = args.floor_grid
+        doc["setup"]["kvplane prefill_tokens_per_s (mocker)"] = args.mocker_prefill_tokens_per_s
     _score(doc)
     print(routing_report.table(runs))
     for t in doc["targets"]:
