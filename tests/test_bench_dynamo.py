@@ -19,7 +19,7 @@ from openai import OpenAI
 
 from kvplane.bench import routing
 from kvplane.bench.peers.dynamo import ensure_dynamo
-from kvplane.bench.peers.dynamo_proxy import Tokenizer
+from kvplane.bench.peers.dynamo_proxy import Tokenizer, write_token_table
 from kvplane.bench.procs import HOST, default_tokenizer_dir, spawn, venv_bin
 from kvplane.bench.routers import EngineEndpoint, ModelFacts, start_router
 from kvplane.workload.traces import PromptBuilder, TraceRequest
@@ -173,3 +173,19 @@ def test_dynamo_frontend_and_kvplane_over_dynamos_mockers(tmp_path: Path) -> Non
     kv = next(r for r in doc["runs"] if r["router"] == "kvplane")
     assert kv["oracle_hit_ratio"] > 0.5
     assert kv["hit_ratio"] > 0.5  # kvplane's index learned from the mockers' events
+
+
+async def test_the_proxy_looks_up_the_runs_prompts_and_tokenizes_others(tmp_path: Path) -> None:
+    """The token table holds the engines' ids of the prompts the run sends (as the
+    engines' tokenizer makes them); a prompt not in it is tokenized."""
+    tok_dir = default_tokenizer_dir()
+    builder = PromptBuilder(tok_dir)
+    reqs = [TraceRequest(0.0, "s", 700, 1, (i, i + 1), 512) for i in (1, 5)]
+    table = write_token_table(
+        tmp_path / "t.bin", ((builder.text(r), builder.token_ids(r)) for r in reqs)
+    )
+    tok = Tokenizer(tok_dir, table)
+    for r in reqs:
+        assert await tok.encode(builder.text(r)) == builder.token_ids(r)
+    other = TraceRequest(0.0, "s", 300, 1, (9,), 512)
+    assert await tok.encode(builder.text(other)) == builder.token_ids(other)

@@ -156,8 +156,11 @@ def start_router(
     engines: Sequence[EngineEndpoint],
     rundir: Path,
     time_scale: float,
+    token_table: Path | None = None,
 ) -> RunningPeer:
-    """Start router ``name`` in front of ``engines``: its processes and its port."""
+    """Start router ``name`` in front of ``engines``: its processes and its port
+    (``token_table``: the run's prompts' token ids, for a peer that would otherwise
+    tokenize in Python what it tokenizes natively)."""
     if dynamo.is_selector_peer(name):
         return dynamo.start_selector_peer(
             name,
@@ -166,6 +169,7 @@ def start_router(
             rundir,
             time_scale,
             sys.executable,
+            token_table,
         )
     launch = launch_for(name, model, engines, rundir)
     return RunningPeer(name, launch.port, [spawn(name, launch.argv, rundir, launch.env)])

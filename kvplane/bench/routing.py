@@ -30,6 +30,7 @@ from typing import Any
 
 from kvplane.bench import floor, routing_report
 from kvplane.bench.peers import dynamo, dynamo_mocker
+from kvplane.bench.peers.dynamo_proxy import write_token_table
 from kvplane.bench.procs import (
     HOST,
     Proc,
@@ -191,6 +192,7 @@ def run_one(
     args: argparse.Namespace,
     rundir: Path,
     load_factor: float = 1.0,
+    token_table: Path | None = None,
 ) -> RunOutput:
     mockers = args.fleet == "dynamo-mocker"
     fleet: Fleet | dynamo_mocker.MockerFleet = (
@@ -207,7 +209,7 @@ def run_one(
             running = fleet.start_frontend(router)
             opts = ReplayOptions(dynamo_mocker.WORKER_ID_BODY, fleet.worker_names)
         else:
-            running = start_router(router, facts, engines, rundir, args.time_scale)
+            running = start_router(router, facts, engines, rundir, args.time_scale, token_table)
     except BaseException:
         fleet.stop()
         raise
@@ -324,6 +326,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--save-requests", default=None, help="folder for per-request results (jsonl.xz)"
     )
     p.add_argument("--quick", action="store_true", help="a small smoke run")
+    p.add_argument(
+        "--skip-base",
+        action="store_true",
+        help="run only the sweep's loads (with --sweep-routers naming the routers)",
+    )
     p.add_argument(
         "--tag",
         default="",
@@ -464,7 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.mocker_prefill_tokens_per_s = round(facts.prefill_tokens_per_s)
         for wname in csv_list(args.workloads):
             fl: floor.Floor | None = None
-            for factor in [1.0, *[f for f in sweep if f != 1.0]]:
+            for factor in _factors(args, sweep):
                 wl = build_workload(
                     wname,
                     trace=Path(args.trace) if args.trace else None,
@@ -477,8 +484,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 oracle = oracle_hit_ratio(builder, wl, args.block_size)
                 items = [ReplayItem(r, builder.text(r)) for r in wl.requests]
                 names = routers if factor == 1.0 else sweep_routers(args, runs, wname)
+                table = None
+                if any(dynamo.is_selector_peer(n) for n in names):
+                    table = write_token_table(
+                        rundir / "tokens.bin",
+                        ((it.prompt, builder.token_ids(it.request)) for it in items),
+                    )
                 for router in names:
-                    out = run_one(router, wl, items, oracle, facts, args, rundir, factor)
+                    out = run_one(router, wl, items, oracle, facts, args, rundir, factor, table)
                     out.record["sweep"] = bool(sweep)
                     out.record.update(fl.quantiles(), slo_ms=round(fl.slo_ms, 3))
                     if args.save_requests:
@@ -487,6 +500,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append(_with_quantiles(out.record, out.results, factor))
                     _print_row(out.record)
     return _finish(args, runs)
+
+
+def _factors(args: argparse.Namespace, sweep: Sequence[float]) -> list[float]:
+    """The base load, then the sweep's; ``--skip-base`` redoes only the sweep's loads (a
+    rerun of loads a busy machine spoiled: their rows replace the earlier ones)."""
+    rest = [f for f in sweep if f != 1.0]
+    return rest if getattr(args, "skip_base", False) else [1.0, *rest]
 
 
 def _run_des(

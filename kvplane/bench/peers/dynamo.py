@@ -232,8 +232,10 @@ def start_selector_peer(
     rundir: Path,
     time_scale: float,
     python: str,
+    token_table: Path | None = None,
 ) -> RunningPeer:
-    """The selection service and the proxy in front of it (``python`` runs the proxy)."""
+    """The selection service and the proxy in front of it (``python`` runs the proxy;
+    ``token_table``: the ids of the prompts the run will send, see dynamo_proxy)."""
     setting = DynamoSetting.parse(name, SELECTOR_PREFIX)
     selector, base = start_selector(setting, workers, rundir, time_scale)
     port = free_port()
@@ -244,6 +246,7 @@ def start_selector_peer(
         "host": HOST,
         "port": port,
         "engines": [{"worker_id": w.worker_id, "name": w.name, "url": w.url} for w in workers],
+        **({"token_table": str(token_table)} if token_table else {}),
     }
     cfg_path = rundir / f"{name}-proxy.json"
     cfg_path.write_text(json.dumps(cfg, indent=1))

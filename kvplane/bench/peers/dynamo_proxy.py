@@ -12,14 +12,20 @@ vLLM ZMQ KV events and keeps Dynamo's load accounting:
    ``POST /reservations/{id}/prefill_complete`` (the prompt's load moves to decode);
 4. at the end (or on any failure or client disconnect) ``DELETE /reservations/{id}``.
 
-Dynamo's frontend tokenizes in Rust before routing; this proxy tokenizes in a worker
-thread (``encode_batch`` releases the GIL, so other requests keep streaming) and reports
-the time it took in ``x-bench-overhead-ms``, which the benchmark's client subtracts from
-the request's time to first token. The chosen engine is named in ``x-bench-backend``.
+Dynamo's frontend tokenizes in Rust (with a prefix cache) before routing. The proxy
+looks the prompt's token ids up in a table the benchmark wrote before the run (the ids
+of every prompt it will send, which are what the engines' tokenizer makes of the text:
+:class:`kvplane.workload.traces.PromptBuilder`'s contract, tested), and tokenizes any
+other prompt in a worker thread (``encode_batch`` releases the GIL, so other requests
+keep streaming). The time either took is reported in ``x-bench-overhead-ms``, which the
+benchmark's client subtracts from the request's time to first token; the table keeps a
+Python tokenizer from eating the CPU the simulated fleet runs on. The chosen engine is
+named in ``x-bench-backend``.
 
 Run: ``python -m kvplane.bench.peers.dynamo_proxy --config FILE`` where FILE is JSON:
 ``{"selector": URL, "tokenizer": DIR, "model": NAME, "host": H, "port": P,
-"engines": [{"worker_id": 1, "name": "e0", "url": URL}, ...]}``.
+"engines": [{"worker_id": 1, "name": "e0", "url": URL}, ...], "token_table": PATH}``
+(``token_table`` optional, see :func:`write_token_table`).
 Hand-written on the simulator's HTTP server (``kvplane.sim.httpd``) rather than a
 framework: the proxy shares a 2-core machine with the fleet it measures.
 """
@@ -31,9 +37,11 @@ import asyncio
 import json
 import re
 import signal
+import struct
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from array import array
+from collections.abc import AsyncIterator, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +49,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import xxhash
 
 from kvplane.bench.peers import BACKEND_HEADER, OVERHEAD_HEADER
 from kvplane.sim.httpd import HttpServer, Request, Response, StreamingResponse
@@ -70,6 +79,7 @@ class ProxyConfig:
     engines: tuple[Engine, ...]
     host: str = "127.0.0.1"
     port: int = 0
+    token_table: Path | None = None
 
     @classmethod
     def load(cls, path: Path) -> ProxyConfig:
@@ -82,24 +92,57 @@ class ProxyConfig:
             engines=engines,
             host=raw.get("host", "127.0.0.1"),
             port=int(raw.get("port", 0)),
+            token_table=Path(raw["token_table"]) if raw.get("token_table") else None,
         )
 
 
-class Tokenizer:
-    """The engines' tokenizer, encoding off the event loop."""
+_ENTRY = struct.Struct("<QI")  # xxh3-64 of the prompt's UTF-8 text, number of ids
 
-    def __init__(self, directory: Path) -> None:
+
+def write_token_table(path: Path, prompts: Iterable[tuple[str, Sequence[int]]]) -> Path:
+    """The token ids of prompts the benchmark will send, keyed by their text's hash:
+    ``(xxh3-64, n)`` then ``n`` little-endian uint32 ids, per prompt."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as fh:
+        for text, ids in prompts:
+            fh.write(_ENTRY.pack(xxhash.xxh3_64_intdigest(text.encode()), len(ids)))
+            fh.write(array("I", ids).tobytes())
+    tmp.replace(path)
+    return path
+
+
+def read_token_table(path: Path) -> dict[int, memoryview]:
+    data = memoryview(path.read_bytes())
+    out: dict[int, memoryview] = {}
+    pos = 0
+    while pos < len(data):
+        key, n = _ENTRY.unpack_from(data, pos)
+        pos += _ENTRY.size
+        out[key] = data[pos : pos + 4 * n].cast("I")
+        pos += 4 * n
+    return out
+
+
+class Tokenizer:
+    """The engines' tokenizer, encoding off the event loop; prompts of the token table
+    (if any) are looked up instead."""
+
+    def __init__(self, directory: Path, table: Path | None = None) -> None:
         from transformers import AutoTokenizer
 
         tok: Any = AutoTokenizer.from_pretrained(str(directory))
         self._backend: Any = tok.backend_tokenizer
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+        self._table = read_token_table(table) if table is not None else {}
 
     def encode_sync(self, text: str) -> list[int]:
         # encode_batch releases the GIL (encode does not): the loop keeps serving
         return list(self._backend.encode_batch([text], add_special_tokens=True)[0].ids)
 
     async def encode(self, text: str) -> list[int]:
+        known = self._table.get(xxhash.xxh3_64_intdigest(text.encode()))
+        if known is not None:
+            return known.tolist()
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.encode_sync, text)
 
@@ -179,14 +222,11 @@ class DynamoProxy:
             return openai_error(503, f"selector chose an unknown worker: {choice}")
         headers = ((BACKEND_HEADER, engine.name), (OVERHEAD_HEADER, f"{overhead_ms:.3f}"))
         stream = bool(body.get("stream"))
-        upstream = self.engines.build_request(
-            "POST", engine.url + "/v1/completions", content=req.body
-        )
         try:
-            resp = await self.engines.send(upstream, stream=True)
+            resp = await self._send(engine, req.body)
         except httpx.HTTPError as exc:
             self._background(self._free(sid))
-            return openai_error(502, f"engine {engine.name}: {exc}", "bad_gateway")
+            return openai_error(502, f"engine {engine.name}: {exc!r}", "bad_gateway")
         if resp.status_code != 200 or not stream:
             try:
                 data = await resp.aread()
@@ -195,6 +235,20 @@ class DynamoProxy:
                 self._background(self._prefill_then_free(sid))
             return Response(resp.status_code, data, headers=headers)
         return StreamingResponse(self._relay(resp, sid), headers=headers)
+
+    async def _send(self, engine: Engine, body: bytes) -> httpx.Response:
+        """POST to the engine; once more on a fresh connection if a kept-alive one was
+        closed under us before any answer (nothing was processed, as a router retries)."""
+        for attempt in range(2):
+            upstream = self.engines.build_request(
+                "POST", engine.url + "/v1/completions", content=body
+            )
+            try:
+                return await self.engines.send(upstream, stream=True)
+            except (httpx.RemoteProtocolError, httpx.ConnectError, httpx.ReadError):
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     async def _prefill_then_free(self, sid: str) -> None:
         await self._prefill_complete(sid)
@@ -214,7 +268,7 @@ class DynamoProxy:
 
 
 async def serve(cfg: ProxyConfig) -> None:
-    proxy = DynamoProxy(cfg, Tokenizer(cfg.tokenizer))
+    proxy = DynamoProxy(cfg, Tokenizer(cfg.tokenizer, cfg.token_table))
     server = HttpServer(proxy.handle, cfg.host, cfg.port)
     await server.start()
     stop = asyncio.Event()
