@@ -3,7 +3,10 @@
 #   docker build -t ghcr.io/kvplane/kvplane:0.1.0 .
 #   docker run ghcr.io/kvplane/kvplane:0.1.0 operator | router --config ... | indexer --config ...
 # The runtime is the kvplane wheel with its runtime dependencies and the "operator" extra
-# (kopf); never the dev extra. tests/test_chart.py checks these invariants.
+# (kopf); never the dev extra. tests/test_chart.py checks these invariants and
+# tests/test_image.py builds the image (scripts/build-image.sh, buildah, no daemon).
+# The base is any image with python3 >= 3.11 and its venv module: python:3.11-slim, or the
+# Debian bookworm root filesystem scripts/build-image.sh makes when no registry is reachable.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -11,14 +14,15 @@ ARG PYTHON_IMAGE=python:3.11-slim
 FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PYTHONDONTWRITEBYTECODE=1
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_CERT=/etc/ssl/certs/ca-certificates.crt
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvplane/ kvplane/
 COPY router/ router/
 COPY operator/ operator/
-RUN pip wheel --no-deps --wheel-dir /wheels .
-RUN python -m venv /opt/kvplane \
+RUN python3 -m venv /opt/kvplane \
+    && /opt/kvplane/bin/pip wheel --no-deps --wheel-dir /wheels . \
     && /opt/kvplane/bin/pip install --no-compile "$(ls /wheels/kvplane-*.whl)[operator]" \
     && /opt/kvplane/bin/pip uninstall --yes pip setuptools wheel \
     && /opt/kvplane/bin/kvplane --help > /dev/null

@@ -1,13 +1,14 @@
 # The two commands a new machine needs (see README.md):
 #   make demo   start local vLLM engines, indexer and router; compare with round-robin
 #   make test   ruff, mypy and the whole pytest suite (real Redis, real vLLM engines)
+#   make image  build the image from the Dockerfile with buildah (no Docker daemon)
 SHELL := /bin/bash
 CACHE ?= $(HOME)/.cache/kvplane
 VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-k8s setup-dynamo demo test lint typecheck bench-overhead
+.PHONY: setup setup-vllm setup-k8s setup-dynamo setup-tools demo test lint typecheck image bench-overhead
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -21,6 +22,18 @@ setup-k8s:
 # NVIDIA Dynamo, the peer router the routing benchmark and its tests run (about 30 s once)
 setup-dynamo:
 	@bash scripts/setup-dynamo.sh
+
+# What some tests run for real, each installed or built only if missing: buildah and
+# debootstrap (the image), prometheus, Grafana's dashboard schema and the Prometheus
+# adapter (dashboards and autoscaling), Jaeger (tracing)
+setup-tools:
+	@bash scripts/setup-apt.sh
+	@bash scripts/setup-dashboard-schema.sh >/dev/null
+	@bash scripts/setup-prometheus-adapter.sh >/dev/null
+	@bash scripts/setup-jaeger.sh >/dev/null
+
+image: setup-tools
+	@bash scripts/build-image.sh
 
 demo: setup-vllm
 	$(VENV)/bin/kvplane demo $(DEMO_ARGS)
@@ -39,7 +52,7 @@ typecheck: setup
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
 		$(ROOT)/e2e/conftest.py $(ROOT)/e2e/test_suite.py
 
-test: setup-vllm setup-k8s setup-dynamo lint typecheck
+test: setup-vllm setup-k8s setup-dynamo setup-tools lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench-overhead: setup

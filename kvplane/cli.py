@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kvplane.router.config import RouterConfig
 
+# transformers announces on import that PyTorch is missing; kvplane only tokenizes, so
+# the line concerns no kvplane user (an explicit setting wins)
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 Handler = Callable[[argparse.Namespace], int]
 
 
@@ -35,7 +39,7 @@ def _load(path: str) -> RouterConfig:
 
 
 def _router(args: argparse.Namespace) -> int:
-    import uvicorn
+    from kvplane.router import serving
 
     config = _load(args.config)  # fail fast, with a readable error, before forking
     if args.workers > 1 and config.index.backend == "memory":
@@ -48,16 +52,7 @@ def _router(args: argparse.Namespace) -> int:
     os.environ["KVPLANE_ROUTER_CONFIG"] = str(args.config)
     if args.embedded_indexer:
         os.environ["KVPLANE_EMBEDDED_INDEXER"] = "1"
-    uvicorn.run(
-        "kvplane.router.server:app_from_env",
-        factory=True,
-        host=args.host,
-        port=args.port,
-        workers=args.workers,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_keep_alive=30,
-    )
+    serving.run(config, args.host, args.port, args.workers, args.log_level)
     return 0
 
 
@@ -108,6 +103,14 @@ def _bench_tail(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_soak(args: argparse.Namespace) -> int:
+    from kvplane.bench import soak
+
+    args.argv_echo = sys.argv[3:]
+    soak.run(args)
+    return 0
+
+
 def _sim(args: argparse.Namespace) -> int:
     from kvplane.sim.main import run
 
@@ -123,8 +126,15 @@ def _operator(args: argparse.Namespace) -> int:
     settings = OperatorSettings.from_env()
     namespaces = args.namespace or settings.namespaces
     peering = args.peering or settings.peering
+    import os
     import secrets
+    import socket
 
+    if peering:
+        # kopf's identity in the peering object; the operator's writes check it too
+        os.environ.setdefault("POD_ID", f"{socket.gethostname()}-{os.getpid()}")
+    # the controller's watches cover what kopf watches
+    os.environ["KVPLANE_WATCH_NAMESPACES"] = ",".join(namespaces)
     kopf.run(
         # peers of equal priority all pause; a random one makes exactly one of them active
         priority=secrets.randbelow(2**31 - 1) + 1 if peering else 0,
@@ -134,6 +144,15 @@ def _operator(args: argparse.Namespace) -> int:
         peering_name=peering,
         liveness_endpoint=f"http://0.0.0.0:{args.health_port}/healthz",
     )
+    return 0
+
+
+def _adapter_rules(args: argparse.Namespace) -> int:
+    import yaml
+
+    from kvplane.operator.render.autoscaling import ADAPTER_HEADER, prometheus_adapter_config
+
+    print(ADAPTER_HEADER + yaml.safe_dump(prometheus_adapter_config(), sort_keys=False), end="")
     return 0
 
 
@@ -192,8 +211,26 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--engines", type=int, default=2)
     d.add_argument("--port", type=int, default=8000, help="router port left serving")
     d.add_argument("--groups", type=int, default=4, help="shared-prefix groups")
-    d.add_argument("--per-group", type=int, default=4, help="requests per group")
-    d.add_argument("--prefix-tokens", type=int, default=6000)
+    d.add_argument("--per-group", type=int, default=8, help="requests per group")
+    d.add_argument("--prefix-tokens", type=int, default=7000)
+    # about half of the prefixes fit one engine: all of them do not
+    d.add_argument(
+        "--kv-cache-tokens", type=int, default=16384, help="each engine's KV cache, in tokens"
+    )
+    d.add_argument("--rounds", type=int, default=3, help="local rounds of both routers")
+    d.add_argument("--concurrency", type=int, default=2, help="requests in flight")
+    d.add_argument("--skip-sim", action="store_true", help="no simulated H100 comparison")
+    d.add_argument("--sim-requests", type=int, default=256)
+    # slow enough that a busy 2-core machine keeps the simulated timeline
+    d.add_argument("--sim-time-scale", type=float, default=8.0, help="wall s per simulated s")
+    d.add_argument(
+        "--plot",
+        default=os.path.join(
+            os.environ.get("KVPLANE_CACHE", os.path.expanduser("~/.cache/kvplane")),
+            "kvplane-demo.png",
+        ),
+        help="the PNG written",
+    )
     d.set_defaults(handler=_demo)
 
     op = sub.add_parser("operator", help="run the kopf operator (reconciles kvplane.io CRs)")
@@ -220,6 +257,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", default="crds", help="directory (default: crds)")
     c.add_argument("--check", action="store_true", help="fail if the files are stale")
     c.set_defaults(handler=_crds)
+    a = sub.add_parser(
+        "adapter-rules",
+        help="print the Prometheus adapter config serving the autoscaling signals",
+    )
+    a.set_defaults(handler=_adapter_rules)
 
     b = sub.add_parser("bench", help="benchmarks (print figures, write bench/results)")
     bsub = b.add_subparsers(dest="bench", required=True)
@@ -248,6 +290,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     tail_arguments(t)
     t.set_defaults(handler=_bench_tail)
+    s = bsub.add_parser(
+        "soak", help="the router under steady traffic for a long time: memory, FDs, index size"
+    )
+    from kvplane.bench.soak import add_arguments as soak_arguments
+
+    soak_arguments(s)
+    s.set_defaults(handler=_bench_soak)
     return p
 
 
@@ -256,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":  # a line per scrape and per P/D leg says nothing
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -13,11 +13,14 @@ from enum import StrEnum
 from typing import Annotated, Any
 
 from kvplane.router.config import CostParams
-from kvplane.router.policies import options_model, policy_names
+from kvplane.router.policies import policy_names
+from kvplane.router.policies.registry import check_options, check_policy
 from kvplane.router.tiers import Tier
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict, JsonValue
+
+from kvplane.sim.profiles import PROFILES
 
 GROUP = "kvplane.io"
 VERSION = "v1alpha1"
@@ -158,12 +161,11 @@ class RouterSpec(Model):
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        options_model(name)  # raises for an unknown name, listing the known ones
-        return name
+        return check_policy(name)
 
     @model_validator(mode="after")
     def _policy_options(self) -> RouterSpec:
-        options_model(self.policy).model_validate(self.policy_options)
+        check_options(self.policy, self.policy_options)
         return self
 
 
@@ -191,13 +193,74 @@ class IndexSpec(Model):
     external: ExternalRedis | None = None
 
 
+class NetworkPolicySpec(Model):
+    enabled: bool = Field(
+        default=True,
+        description="NetworkPolicies: only the router and indexer reach the engines' KV "
+        "event and replay ports, only the router their HTTP port, only they the Redis",
+    )
+    metrics_from: list[FreeForm] = Field(
+        default_factory=list,
+        description="NetworkPolicy peers (e.g. Prometheus) that may also reach the engines' "
+        "HTTP port, which serves /metrics",
+    )
+
+
 class PoolRefs(Model):
     prefill: LocalObjectRef | None = None
     decode: list[LocalObjectRef] = Field(default_factory=list)
 
 
+class ServiceLevel(Model):
+    """The pool's latency targets: the predictedTTFT autoscaling signal and the P:D
+    planner aim at them."""
+
+    ttft_ms: Annotated[float, Field(gt=0, description="time to first token, p90")]
+    itl_ms: Annotated[float, Field(gt=0)] | None = Field(
+        default=None, description="inter-token latency, p99"
+    )
+
+
+class PlannerMode(StrEnum):
+    RECOMMEND = "recommend"  # publish the plan in status and as a metric
+    APPLY = "apply"  # and size the prefill and decode Deployments by it
+
+
+class PlannerSpec(Model):
+    """The P:D planner (docs/deploy.md, Operations): from the router's observed workload,
+    the prefill and decode replicas that meet ``slo``, found in the P/D simulation."""
+
+    model_config = validated(
+        cel("self.maxReplicas >= self.minReplicas", "maxReplicas must be >= minReplicas")
+    )
+
+    mode: PlannerMode = PlannerMode.RECOMMEND
+    interval_seconds: Annotated[int, Field(ge=10, le=86400)] = 120
+    min_replicas: Annotated[int, Field(ge=2, le=1000)] = 2
+    max_replicas: Annotated[int, Field(ge=2, le=1000)] = 16
+    profile: str = Field(
+        default="h100-llama-3.1-8b",
+        description="the simulator's engine profile the plan is made with (kvplane sim)",
+        json_schema_extra={"enum": list[JsonValue](sorted(PROFILES))},
+    )
+    gpus_per_node: Annotated[int, Field(ge=0, le=64)] = 8
+
+
+class TracingSpec(Model):
+    """OpenTelemetry traces: the router's spans per request, exported over OTLP, and the
+    engines' own (vLLM ``--otlp-traces-endpoint``), joined by W3C trace context."""
+
+    endpoint: Annotated[
+        str, Field(pattern=r"^https?://", description="OTLP/HTTP collector, e.g. http://otel:4318")
+    ]
+    sampling_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    engines: bool = Field(default=True, description="the engines export their spans too")
+
+
 class InferencePoolSpec(Model):
     """One served model: engine, model identity, router and residency index."""
+
+    model_config = validated(cel("!has(self.planner) || has(self.slo)", "the planner needs slo"))
 
     model: ModelIdentity
     engine: EngineSpec = Field(default_factory=EngineSpec)
@@ -208,6 +271,10 @@ class InferencePoolSpec(Model):
     kv_cache_tiers: list[LocalObjectRef] = Field(default_factory=list)
     router: RouterSpec = Field(default_factory=RouterSpec)
     index: IndexSpec = Field(default_factory=IndexSpec)
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    slo: ServiceLevel | None = None
+    planner: PlannerSpec | None = Field(default=None, description="needs slo")
+    tracing: TracingSpec | None = None
 
 
 class Condition(Model):
@@ -226,6 +293,19 @@ class PoolStatusEntry(Model):
     ready_replicas: int = 0
 
 
+class PlanStatus(Model):
+    """The P:D planner's last recommendation."""
+
+    prefill_replicas: int
+    decode_replicas: int
+    meets_targets: bool
+    predicted_ttft_p90_ms: float | None = None
+    predicted_itl_p99_ms: float | None = None
+    observed: str = Field(default="", description="the workload it was planned for")
+    applied: bool = False
+    planned_at: str | None = None
+
+
 class InferencePoolStatus(Model):
     observed_generation: int | None = None
     generation_tag: str | None = None
@@ -233,6 +313,7 @@ class InferencePoolStatus(Model):
     mode: str | None = Field(default=None, description="aggregated or disaggregated")
     pools: list[PoolStatusEntry] = Field(default_factory=list)
     conditions: list[Condition] = Field(default_factory=list)
+    plan: PlanStatus | None = None
 
 
 # --- PrefillPool / DecodePool ----------------------------------------------------
@@ -241,6 +322,7 @@ class InferencePoolStatus(Model):
 class ScaleSignal(StrEnum):
     KV_CACHE_PRESSURE = "kvCachePressure"
     QUEUE_DEPTH = "queueDepth"
+    PREDICTED_TTFT = "predictedTTFT"  # the router's predicted TTFT p90 against the pool's SLO
 
 
 class Autoscaling(Model):
@@ -252,7 +334,10 @@ class Autoscaling(Model):
     max_replicas: Annotated[int, Field(ge=1, le=1000)]
     signal: ScaleSignal = ScaleSignal.KV_CACHE_PRESSURE
     target: Annotated[float, Field(gt=0)] = Field(
-        default=0.8, description="kv cache usage (0..1) or waiting requests per replica"
+        default=0.8,
+        description="kv cache usage (0..1), waiting requests per replica, or (predictedTTFT) "
+        "the router's predicted TTFT p90 in seconds; predictedTTFT defaults to the "
+        "InferencePool's slo.ttftMs",
     )
 
 
@@ -278,8 +363,9 @@ class EnginePoolSpec(Model):
             "set replicas or autoscaling, not both",
         ),
         cel(
-            "self.gpusPerReplica % self.tensorParallelSize == 0",
-            "gpusPerReplica must be a multiple of tensorParallelSize",
+            "self.gpusPerReplica == self.tensorParallelSize",
+            "gpusPerReplica must equal tensorParallelSize: one engine per pod (data-parallel "
+            "ranks would publish KV events on ports that discovery does not follow)",
         ),
     )
 
@@ -384,6 +470,16 @@ class KVCacheTierSpec(Model):
 
 class KVCacheTierStatus(Model):
     observed_generation: int | None = None
-    ready: bool = False
-    endpoints: list[str] = Field(default_factory=list)
+    ready: bool = Field(default=False, description="the tier is valid for every pool using it")
+    endpoints: list[str] = Field(default_factory=list, description="a remote store's host:port")
+    pools: list[str] = Field(default_factory=list, description="InferencePools that use it")
     conditions: list[Condition] = Field(default_factory=list)
+
+
+# An InferencePool's name begins the names of its Services, which are DNS-1035 labels:
+# a letter first, no dots (longer names are shortened with a hash, so any length works).
+POOL_NAME_RULE: JsonDict = cel(
+    "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+    "an InferencePool name must start with a letter and hold only lowercase letters, "
+    "digits and '-': it begins the names of the pool's Services (DNS-1035 labels)",
+)

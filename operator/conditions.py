@@ -14,6 +14,20 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class Problem:
+    """Something that keeps a pool from Ready that waiting will not fix.
+
+    ``reason`` (CamelCase) says which kind: ``InvalidReferences`` (a named pool or
+    tier is missing or disagrees), ``InvalidSpec`` (the spec cannot be rendered),
+    ``ApplyRefused`` (the API server refused a rendered object), ``ReconcileFailed``
+    (the API server kept failing; retried with back-off), ``PoolNotFound`` (an engine
+    pool's poolRef names no InferencePool)."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
 class Workload:
     """What a Deployment reports, reduced to what readiness needs."""
 
@@ -70,17 +84,19 @@ def condition(
 
 def pool_conditions(
     workloads: Sequence[Workload],
-    problems: Sequence[str],
+    problems: Sequence[Problem],
     generation: int,
     previous: Sequence[Mapping[str, Any]],
     now: str,
 ) -> list[dict[str, Any]]:
     """Ready: every workload rolled out and no problem. Progressing: a rollout is
-    under way. Degraded: a problem the operator cannot fix by waiting."""
+    under way. Degraded: a problem the operator cannot fix by waiting (the reason is
+    the first problem's)."""
     pending = [w for w in workloads if not w.rolled_out]
     ready = not pending and not problems
+    messages = "; ".join(p.message for p in problems)
     if problems:
-        ready_msg = "; ".join(problems)
+        ready_msg = messages
     elif pending:
         ready_msg = ", ".join(f"{w.name} {w.ready}/{w.desired} ready" for w in pending)
     else:
@@ -107,8 +123,8 @@ def pool_conditions(
         condition(
             "Degraded",
             bool(problems),
-            "InvalidReferences" if problems else "AsExpected",
-            "; ".join(problems) if problems else "no problems",
+            problems[0].reason if problems else "AsExpected",
+            messages if problems else "no problems",
             generation,
             previous,
             now,

@@ -28,6 +28,7 @@ class Kind:
     status: type[BaseModel]
     columns: list[dict[str, Any]] = field(default_factory=list)
     scale: bool = False
+    rules: list[Any] = field(default_factory=list)  # CEL on the whole object (metadata.name)
 
 
 def _age() -> dict[str, Any]:
@@ -74,6 +75,7 @@ KINDS: list[Kind] = [
             _ready(),
             _age(),
         ],
+        rules=[api.POOL_NAME_RULE],
     ),
     Kind(
         "PrefillPool",
@@ -105,6 +107,11 @@ KINDS: list[Kind] = [
             {"name": "Capacity", "type": "string", "jsonPath": ".spec.capacityPerPod"},
             {"name": "GB/s", "type": "number", "jsonPath": ".spec.bandwidthGbps"},
             {"name": "Ready", "type": "boolean", "jsonPath": ".status.ready"},
+            {
+                "name": "In Use",
+                "type": "string",
+                "jsonPath": '.status.conditions[?(@.type=="InUse")].status',
+            },
             _age(),
         ],
     ),
@@ -196,6 +203,7 @@ def crd(kind: Kind) -> dict[str, Any]:
                     "spec": _schema(kind.spec),
                     "status": _schema(kind.status),
                 },
+                **({"x-kubernetes-validations": kind.rules} if kind.rules else {}),
             }
         },
     }

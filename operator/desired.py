@@ -9,6 +9,7 @@ from kvplane.operator import api
 from kvplane.operator.render import names
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.pool import inference_pool_objects
+from kvplane.operator.settings import OperatorSettings
 
 
 @dataclass(frozen=True)
@@ -32,11 +33,11 @@ def desired_objects(
     spec: api.InferencePoolSpec,
     pools: list[EnginePool],
     tiers: list[api.KVCacheTierSpec],
-    image: str,
+    settings: OperatorSettings,
 ) -> Rendered:
     prefill = next(((p.name, p.spec) for p in pools if p.role == "prefill"), None)
     decodes = {p.name: p.spec for p in pools if p.role == "decode"}
-    generation = names.generation_tag(spec)
+    generation = names.generation_tag(spec, namespace, name)
     objects = inference_pool_objects(
         name,
         namespace,
@@ -44,8 +45,9 @@ def desired_objects(
         prefill=prefill,
         decodes=decodes,
         tiers=tiers,
-        default_image=image,
+        default_image=settings.image,
         generation=generation,
+        discovery_role=settings.discovery_role,
     )
     deployments = {p.name: names.engine_name(name, Role(p.role), p.name) for p in pools}
     endpoint = f"http://{names.service_host(names.router_name(name), namespace)}:{spec.router.port}"

@@ -1,29 +1,29 @@
-"""kopf wiring: every event that can change what an InferencePool should look
-like triggers the same reconcile (``reconcile.py``)."""
+"""kopf wiring: credentials, peering, the controller's life, and the one finalizer.
+
+kopf logs in, runs the peering that makes one replica active, and runs the cleanup
+of a pool's residency in an external Redis before the pool goes. Everything else
+(watching, reconciling, retrying, the periodic pass) is the controller's
+(``controller.py``), which kopf starts and stops.
+"""
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
+import os
 from typing import Any
 
 import kopf
-from kvplane.operator import api
-from kvplane.operator.reconcile import POOL_LABEL, Reconciler
-from kvplane.operator.settings import MANAGED_BY, OperatorSettings
+from kvplane.operator import api, planner_hook
+from kvplane.operator.controller import Controller
+from kvplane.operator.peering import Peering
+from kvplane.operator.settings import OperatorSettings
 from kvplane.router.index.redis import forget_generation
-from kvplane.router.kube import Kube, credentials
+from kvplane.router.kube import Kube, api_error_status, credentials
 
 log = logging.getLogger("kvplane.operator")
 
 GROUP, VERSION = api.GROUP, api.VERSION
-_settings = OperatorSettings.from_env()
-
-
-def _reconciler(kw: dict[str, Any]) -> Reconciler:
-    reconciler: Reconciler = kw["memo"].reconciler
-    return reconciler
 
 
 @kopf.on.login()
@@ -43,6 +43,18 @@ async def login(*_: Any, **__: Any) -> kopf.ConnectionInfo:
     )
 
 
+def peering_of(settings: kopf.OperatorSettings) -> Peering:
+    """This replica in kopf's peering, as kopf was told (``--standalone`` or
+    ``--peering NAME``; kopf's identity is ``POD_ID`` when set)."""
+    p = settings.peering
+    if p.standalone:
+        return Peering(None)
+    if not p.mandatory:
+        log.warning("no --standalone or --peering: running as if standalone")
+        return Peering(None)
+    return Peering(p.name, p.priority, os.environ.get("POD_ID"), p.clusterwide)
+
+
 @kopf.on.startup()
 async def startup(*_: Any, **kw: Any) -> None:
     settings: kopf.OperatorSettings = kw["settings"]
@@ -55,63 +67,19 @@ async def startup(*_: Any, **kw: Any) -> None:
     settings.posting.level = logging.WARNING
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
-    memo.reconciler = Reconciler(await Kube.connect(), _settings)
-    memo.resync = asyncio.create_task(_resync_loop(memo.reconciler), name="kvplane-resync")
-
-
-async def _resync_loop(reconciler: Reconciler) -> None:
-    """Drift repair: re-apply every pool (server-side apply is idempotent). A plain
-    loop rather than a kopf timer, because kopf timers put a finalizer on every
-    object, and a finalizer is only warranted for cleanup outside Kubernetes."""
-    namespaces: list[str | None] = [*_settings.namespaces] or [None]
-    while True:
-        await asyncio.sleep(_settings.resync_s)
-        for ns in namespaces:
-            try:
-                for item in await reconciler.client.list("InferencePool", ns):
-                    meta = item["metadata"]
-                    await reconciler.trigger(meta["namespace"], meta["name"])
-            except Exception:  # keep repairing the others; the next round retries
-                log.exception("resync failed")
+    ours = OperatorSettings.from_env()
+    settings.peering.lifetime = ours.peering_lifetime_s
+    memo.client = await Kube.connect()
+    memo.controller = Controller(memo.client, ours, peering_of(settings))
+    await memo.controller.start()
+    memo.planner = planner_hook.start(memo.client, memo.controller)
 
 
 @kopf.on.cleanup()
 async def cleanup(*_: Any, **kw: Any) -> None:
-    kw["memo"].resync.cancel()
-    await _reconciler(kw).client.close()
-
-
-@kopf.on.create(GROUP, VERSION, "inferencepools")
-@kopf.on.update(GROUP, VERSION, "inferencepools")
-@kopf.on.resume(GROUP, VERSION, "inferencepools")
-async def pool_changed(*_: Any, **kw: Any) -> None:
-    await _reconciler(kw).trigger(kw["namespace"], kw["name"])
-
-
-@kopf.on.event(GROUP, VERSION, "prefillpools")
-@kopf.on.event(GROUP, VERSION, "decodepools")
-async def engine_pool_event(*_: Any, **kw: Any) -> None:
-    parent = ((kw.get("spec") or {}).get("poolRef") or {}).get("name")
-    if parent:
-        await _reconciler(kw).trigger(kw["namespace"], parent)
-
-
-@kopf.on.event(GROUP, VERSION, "kvcachetiers")
-async def tier_event(*_: Any, **kw: Any) -> None:
-    reconciler = _reconciler(kw)
-    namespace = kw["namespace"]
-    for item in await reconciler.client.list("InferencePool", namespace):
-        refs = item.get("spec", {}).get("kvCacheTiers", [])
-        if any(r.get("name") == kw["name"] for r in refs):
-            await reconciler.trigger(namespace, item["metadata"]["name"])
-
-
-@kopf.on.event("apps", "v1", "deployments", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
-async def owned_deployment_event(*_: Any, **kw: Any) -> None:
-    """A rollout progressed (status) or someone edited or deleted our Deployment."""
-    pool = (kw.get("labels") or {}).get(POOL_LABEL)
-    if pool:
-        await _reconciler(kw).trigger(kw["namespace"], pool)
+    kw["memo"].planner.cancel()
+    await kw["memo"].controller.stop()
+    await kw["memo"].client.close()
 
 
 def _external_index(spec: Any, **_: Any) -> bool:
@@ -121,7 +89,8 @@ def _external_index(spec: Any, **_: Any) -> bool:
 @kopf.on.delete(GROUP, VERSION, "inferencepools", when=_external_index)
 async def forget_external_residency(*_: Any, **kw: Any) -> None:
     """The one cleanup outside Kubernetes: a pool's residency in an external Redis
-    (a managed Redis goes away with its Deployment). Only such pools get a finalizer."""
+    (a managed Redis goes away with its Deployment). Only such pools get a finalizer.
+    The generation tag names the pool, so only this pool's keys go."""
     tag = (kw.get("status") or {}).get("generationTag")
     external = kw["spec"]["index"]["external"]
     if not tag:
@@ -129,7 +98,18 @@ async def forget_external_residency(*_: Any, **kw: Any) -> None:
     password = None
     ref = external.get("passwordSecretRef")
     if ref:
-        secret = await _reconciler(kw).client.get("Secret", kw["namespace"], ref["name"])
+        client: Kube = kw["memo"].client
+        try:
+            secret = await client.get("Secret", kw["namespace"], ref["name"])
+        except Exception as exc:
+            if api_error_status(exc) != 403:
+                raise  # kopf retries
+            # The chart grants Secret reads only where asked (rbac.readSecrets, or the
+            # watched namespaces): without it the keys stay until Redis evicts them.
+            raise kopf.PermanentError(
+                f"may not read Secret {ref['name']} for the index password; residency "
+                f"keys of generation {tag} stay in {external['url']} until evicted"
+            ) from exc
         data = ((secret or {}).get("data") or {}).get(ref["key"])
         password = base64.b64decode(data).decode() if data else None
     removed = await forget_generation(external["url"], tag, password)

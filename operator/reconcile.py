@@ -1,96 +1,206 @@
-"""One reconcile of an InferencePool: read, render, apply, prune, report.
+"""One reconcile of an InferencePool (or of a namespace's tiers and orphan pools):
+read from the cache, render, compare, write what differs, prune, report.
 
-Every trigger (the pool, its engine pools, its tiers, its Deployments, the
-resync timer) ends here, so the outcome never depends on which event came
-first. Rendering is pure (``desired.py``); this module is the I/O around it.
+Every trigger (the pool, its engine pools, its tiers, its owned objects changing,
+the periodic pass) ends here, so the outcome never depends on which event came
+first. Inputs and live objects come from the informer's cache, rendering is pure
+(``desired.py``, remembered until an input's generation changes) and so is the
+comparison (``compare.py``): a pool at rest makes no request. Every write goes
+through :class:`Writer`, which refuses once this replica is no longer the active one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvplane.operator import api
-from kvplane.operator.conditions import Workload, pool_conditions, workload_of
-from kvplane.operator.desired import EnginePool, desired_objects
-from kvplane.operator.settings import FIELD_MANAGER, MANAGED_BY, OperatorSettings
-from kvplane.router.kube import Kube, api_error_status
+from kvplane.operator.compare import covers
+from kvplane.operator.conditions import Problem, Workload, condition, pool_conditions, workload_of
+from kvplane.operator.desired import EnginePool, Rendered, desired_objects
+from kvplane.operator.informer import Informer
+from kvplane.operator.render.tiers import RenderError, plan_tiers, store_address
+from kvplane.operator.settings import FIELD_MANAGER, OperatorSettings
+from kvplane.operator.workqueue import RETRY, Result
+from kvplane.router.kube import Kube, KubeAPIError, is_transient
 from pydantic import ValidationError
+
+from kvplane.types import Json
 
 log = logging.getLogger("kvplane.operator")
 
-POOL_LABEL = "kvplane.io/pool"
+# What the operator renders, watches (by the managed-by label) and prunes.
 PRUNABLE = (
     "Deployment",
     "HorizontalPodAutoscaler",
     "Service",
     "ConfigMap",
     "ServiceAccount",
-    "Role",
     "RoleBinding",
+    "NetworkPolicy",
 )
-
-
-@dataclass
-class Inputs:
-    ipool: dict[str, Any]
-    spec: api.InferencePoolSpec
-    pools: list[EnginePool] = field(default_factory=list)
-    pool_objects: dict[str, dict[str, Any]] = field(default_factory=dict)  # "Kind/name" -> obj
-    tiers: list[api.KVCacheTierSpec] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
+ENGINE_KINDS = {"prefill": "PrefillPool", "decode": "DecodePool"}
 
 
 def _now() -> str:
     return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-async def gather(client: Kube, namespace: str, name: str) -> Inputs | None:
-    """The InferencePool and everything it is made of; None if it is gone."""
-    ipool = await client.get("InferencePool", namespace, name)
+def _generation(obj: Json) -> int:
+    return int(obj["metadata"].get("generation", 0))
+
+
+def _error(exc: Exception) -> str:
+    return exc.message if isinstance(exc, KubeAPIError) else str(exc) or type(exc).__name__
+
+
+# --- inputs ---------------------------------------------------------------------------
+
+
+@dataclass
+class Inputs:
+    ipool: Json
+    spec: api.InferencePoolSpec | None  # None: the stored spec does not validate
+    pools: list[EnginePool] = field(default_factory=list)
+    pool_objects: dict[str, Json] = field(default_factory=dict)  # "Kind/name" -> object
+    tiers: list[tuple[Json, api.KVCacheTierSpec]] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+    # a new pool is not rendered while one of these is missing (so that it rolls out
+    # once, from the complete set); missing tiers also freeze an existing pool
+    waiting_for: list[str] = field(default_factory=list)
+    missing_tiers: bool = False
+
+    @property
+    def fingerprint(self) -> tuple[Any, ...]:
+        """Changes whenever a rendered input's spec does (generations, not versions:
+        status writes do not count)."""
+        meta = self.ipool["metadata"]
+        return (
+            meta["uid"],
+            _generation(self.ipool),
+            tuple(
+                (k, o["metadata"]["uid"], _generation(o))
+                for k, o in sorted(self.pool_objects.items())
+            ),
+            tuple(
+                (t["metadata"]["name"], t["metadata"]["uid"], _generation(t)) for t, _ in self.tiers
+            ),
+        )
+
+
+def gather(cache: Informer, namespace: str, name: str) -> Inputs | None:
+    """The InferencePool and everything it is made of, from the cache; None if gone."""
+    ipool = cache.get("InferencePool", namespace, name)
     if ipool is None or ipool["metadata"].get("deletionTimestamp"):
         return None
-    inputs = Inputs(ipool, api.InferencePoolSpec.model_validate(ipool["spec"]))
-    for kind, role in (("PrefillPool", "prefill"), ("DecodePool", "decode")):
-        for item in await client.list(kind, namespace):
-            try:
-                spec = api.EnginePoolSpec.model_validate(item["spec"])
-            except ValidationError as exc:
-                inputs.problems.append(f"{kind} {item['metadata']['name']}: {exc}")
+    try:
+        spec = api.InferencePoolSpec.model_validate(ipool["spec"])
+    except ValidationError as exc:
+        problem = Problem("InvalidSpec", f"spec does not validate: {exc}")
+        return Inputs(ipool, None, problems=[problem])
+    inputs = Inputs(ipool, spec)
+    for role, kind in ENGINE_KINDS.items():
+        for item in cache.objects(kind, namespace):
+            if ((item.get("spec") or {}).get("poolRef") or {}).get("name") != name:
                 continue
-            if spec.pool_ref.name == name:
-                inputs.pools.append(EnginePool(item["metadata"]["name"], role, spec))
-                inputs.pool_objects[f"{kind}/{item['metadata']['name']}"] = item
+            item_name = item["metadata"]["name"]
+            try:
+                pool_spec = api.EnginePoolSpec.model_validate(item["spec"])
+            except ValidationError as exc:
+                inputs.problems.append(Problem("InvalidReferences", f"{kind} {item_name}: {exc}"))
+                continue
+            inputs.pools.append(EnginePool(item_name, role, pool_spec))
+            inputs.pool_objects[f"{kind}/{item_name}"] = item
     inputs.pools.sort(key=lambda p: (p.role, p.name))
-    refs = inputs.spec.pools
+    refs = spec.pools
     if refs is not None:
         named = {(p.role, p.name) for p in inputs.pools}
         wanted = {("decode", r.name) for r in refs.decode}
         if refs.prefill is not None:
             wanted.add(("prefill", refs.prefill.name))
         for role, pool in sorted(wanted - named):
-            inputs.problems.append(f"spec.pools names {role} pool {pool}, whose poolRef differs")
+            exists = cache.get(ENGINE_KINDS[role], namespace, pool) is not None
+            why = "whose poolRef differs" if exists else "which does not exist"
+            inputs.problems.append(
+                Problem("InvalidReferences", f"spec.pools names {role} pool {pool}, {why}")
+            )
+            inputs.waiting_for.append(f"{role} pool {pool}")
     if not any(p.role == "decode" for p in inputs.pools):
-        inputs.problems.append("no DecodePool has poolRef " + name)
+        inputs.problems.append(Problem("InvalidReferences", "no DecodePool has poolRef " + name))
+        inputs.waiting_for.append("a DecodePool")
     if sum(p.role == "prefill" for p in inputs.pools) > 1:
-        inputs.problems.append("more than one PrefillPool references this pool")
-    for ref in inputs.spec.kv_cache_tiers:
-        tier = await client.get("KVCacheTier", namespace, ref.name)
+        inputs.problems.append(
+            Problem("InvalidReferences", "more than one PrefillPool references this pool")
+        )
+    for ref in spec.kv_cache_tiers:
+        tier = cache.get("KVCacheTier", namespace, ref.name)
         if tier is None:
-            inputs.problems.append(f"KVCacheTier {ref.name} not found")
-        else:
-            inputs.tiers.append(api.KVCacheTierSpec.model_validate(tier["spec"]))
+            inputs.problems.append(
+                Problem("InvalidReferences", f"KVCacheTier {ref.name} not found")
+            )
+            inputs.waiting_for.append(f"KVCacheTier {ref.name}")
+            inputs.missing_tiers = True
+            continue
+        try:
+            inputs.tiers.append((tier, api.KVCacheTierSpec.model_validate(tier["spec"])))
+        except ValidationError as exc:
+            inputs.problems.append(Problem("InvalidReferences", f"KVCacheTier {ref.name}: {exc}"))
+            inputs.missing_tiers = True
     return inputs
 
 
-def _owner(obj: dict[str, Any]) -> dict[str, Any]:
+# --- writes ---------------------------------------------------------------------------
+
+
+class Paused(Exception):
+    """This replica is not the active one (kopf peering): it must not write."""
+
+
+@dataclass
+class Writer:
+    """The operator's writes, each refused unless this replica is the active one."""
+
+    client: Kube
+    active: Callable[[], bool]
+
+    def _check(self) -> None:
+        if not self.active():
+            raise Paused
+
+    async def apply(self, obj: Json) -> None:
+        self._check()
+        await self.client.apply(obj, FIELD_MANAGER)
+
+    async def delete(self, kind: str, namespace: str, name: str) -> None:
+        self._check()
+        await self.client.delete(kind, namespace, name)
+
+    async def status(self, obj: Json, kind: str, status: Json) -> bool:
+        """Patch ``status`` unless the cached object already says it; True if written."""
+        if covers(obj.get("status") or {}, status):
+            return False
+        self._check()
+        meta = obj["metadata"]
+        try:
+            await self.client.patch_status(kind, meta["namespace"], meta["name"], status)
+        except KubeAPIError as exc:
+            if exc.status == 404:  # deleted meanwhile: nothing left to report on
+                return False
+            raise
+        return True
+
+
+# --- reconcile ------------------------------------------------------------------------
+
+
+def _owner(obj: Json) -> Json:
     meta = obj["metadata"]
     return {
         "apiVersion": api.API_VERSION,
-        "kind": obj["kind"],
+        "kind": obj.get("kind", "InferencePool"),
         "name": meta["name"],
         "uid": meta["uid"],
         "controller": True,
@@ -98,133 +208,282 @@ def _owner(obj: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def _apply_all(
-    client: Kube, namespace: str, inputs: Inputs, desired: list[dict[str, Any]]
-) -> None:
-    owner = _owner(inputs.ipool)
-    for obj in desired:
-        obj["metadata"]["namespace"] = namespace
-        obj["metadata"]["ownerReferences"] = [owner]
-        await client.apply(obj, FIELD_MANAGER)
+@dataclass
+class Reconcile:
+    cache: Informer
+    writer: Writer
+    settings: OperatorSettings
+    # pool -> (fingerprint, rendered objects or None, render problems)
+    _rendered: dict[tuple[str, str], tuple[Any, Rendered | None, list[Problem]]] = field(
+        default_factory=dict
+    )
 
+    def _render(self, inputs: Inputs) -> tuple[Rendered | None, list[Problem]]:
+        meta = inputs.ipool["metadata"]
+        key = (meta["namespace"], meta["name"])
+        memo = self._rendered.get(key)
+        if memo is not None and memo[0] == inputs.fingerprint:
+            return memo[1], memo[2]
+        rendered, problems = None, []
+        assert inputs.spec is not None
+        try:
+            rendered = desired_objects(
+                meta["name"],
+                meta["namespace"],
+                inputs.spec,
+                inputs.pools,
+                [t for _, t in inputs.tiers],
+                self.settings,
+            )
+            owner = _owner(inputs.ipool)
+            for obj in rendered.objects:
+                obj["metadata"]["ownerReferences"] = [owner]
+        except ValueError as exc:  # render errors are spec problems the schema cannot see
+            problems.append(Problem("InvalidSpec", f"cannot render: {exc}"))
+        self._rendered[key] = (inputs.fingerprint, rendered, problems)
+        return rendered, problems
 
-async def _prune(client: Kube, namespace: str, name: str, desired: list[dict[str, Any]]) -> None:
-    """Delete what this pool created earlier and no longer wants (a removed tier's store)."""
-    keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
-    selector = f"{POOL_LABEL}={name},app.kubernetes.io/managed-by={MANAGED_BY}"
-    for kind in PRUNABLE:
-        for item in await client.list(kind, namespace, selector):
-            if (kind, item["metadata"]["name"]) not in keep:
-                log.info("pruning %s %s/%s", kind, namespace, item["metadata"]["name"])
-                await client.delete(kind, namespace, item["metadata"]["name"])
+    def forget(self, namespace: str, name: str) -> None:
+        self._rendered.pop((namespace, name), None)
 
+    async def pool(self, namespace: str, name: str, settle_left_s: float) -> Result:
+        """``settle_left_s``: how long until the pool's inputs have been quiet long
+        enough for its first render."""
+        inputs = gather(self.cache, namespace, name)
+        if inputs is None:
+            self.forget(namespace, name)
+            return None
+        ipool = inputs.ipool
+        owned = {
+            (kind, obj["metadata"]["name"]): obj
+            for kind, obj in self.cache.owned(ipool["metadata"]["uid"])
+            if kind in PRUNABLE
+        }
+        fresh = not owned and not (ipool.get("status") or {}).get("generationTag")
+        if fresh and settle_left_s > 0:
+            return settle_left_s
+        problems = list(inputs.problems)
+        rendered: Rendered | None = None
+        if inputs.spec is not None:
+            rendered, render_problems = self._render(inputs)
+            problems += render_problems
+        hold = inputs.missing_tiers or (fresh and bool(inputs.waiting_for))
+        retry = False
+        if rendered is not None and not hold:
+            try:
+                refused = await self._apply(rendered.objects, owned)
+                problems += refused
+                retry = bool(refused)
+                await self._prune(rendered.objects, owned)
+            except Paused:
+                raise
+            except Exception as exc:
+                problems.append(Problem("ReconcileFailed", f"reconcile failed: {_error(exc)}"))
+                log.warning("reconcile %s/%s failed: %s", namespace, name, exc)
+                retry = True
+        await self._statuses(inputs, rendered if not hold else None, problems)
+        return RETRY if retry else None
 
-async def _workloads(
-    client: Kube, namespace: str, desired: list[dict[str, Any]]
-) -> dict[str, Workload]:
-    out = {}
-    for obj in desired:
-        if obj["kind"] != "Deployment":
-            continue
-        name = obj["metadata"]["name"]
-        live = await client.get("Deployment", namespace, name)
-        # an autoscaled Deployment's size is whatever its HPA last chose
-        wanted = obj["spec"].get("replicas", ((live or {}).get("spec") or {}).get("replicas", 1))
-        out[name] = workload_of(live, name, int(wanted))
-    return out
+    async def _apply(
+        self, desired: list[Json], owned: dict[tuple[str, str], Json]
+    ) -> list[Problem]:
+        """Apply what the cache does not already show; the objects the API server
+        refuses (4xx) are problems, the rest still get applied."""
+        refused = []
+        for obj in desired:
+            meta = obj["metadata"]
+            live = owned.get((obj["kind"], meta["name"])) or self.cache.get(
+                obj["kind"], meta["namespace"], meta["name"]
+            )
+            if live is not None and covers(live, obj):
+                continue
+            try:
+                await self.writer.apply(obj)
+            except KubeAPIError as exc:
+                if is_transient(exc):
+                    raise
+                refused.append(
+                    Problem(
+                        "ApplyRefused", f"cannot apply {obj['kind']} {meta['name']}: {exc.message}"
+                    )
+                )
+        return refused
 
+    async def _prune(self, desired: list[Json], owned: dict[tuple[str, str], Json]) -> None:
+        """Delete what this pool created earlier and no longer wants (a removed tier's
+        store, a deleted DecodePool's Deployment)."""
+        keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
+        for (kind, name), obj in owned.items():
+            if (kind, name) not in keep:
+                log.info("pruning %s %s/%s", kind, obj["metadata"]["namespace"], name)
+                await self.writer.delete(kind, obj["metadata"]["namespace"], name)
 
-async def reconcile(client: Kube, settings: OperatorSettings, namespace: str, name: str) -> None:
-    inputs = await gather(client, namespace, name)
-    if inputs is None:
-        return
-    generation = int(inputs.ipool["metadata"].get("generation", 0))
-    desired: list[dict[str, Any]] = []
-    try:
-        rendered = desired_objects(
-            name, namespace, inputs.spec, inputs.pools, inputs.tiers, settings.image
-        )
-        desired = rendered.objects
-    except ValueError as exc:  # render errors are spec problems the schema cannot see
-        inputs.problems.append(f"cannot render: {exc}")
-        rendered = None
-    if desired:
-        await _apply_all(client, namespace, inputs, desired)
-        await _prune(client, namespace, name, desired)
-    workloads = await _workloads(client, namespace, desired)
-    previous = inputs.ipool.get("status", {}).get("conditions", [])
-    now = _now()
-    status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "conditions": pool_conditions(
-            list(workloads.values()), inputs.problems, generation, previous, now
-        ),
-        "mode": "disaggregated" if any(p.role == "prefill" for p in inputs.pools) else "aggregated",
-        "pools": [],
-    }
-    if rendered is not None:
-        status["generationTag"] = rendered.generation
-        status["routerEndpoint"] = rendered.router_endpoint
-    for pool in inputs.pools:
-        kind = "PrefillPool" if pool.role == "prefill" else "DecodePool"
-        deployment = rendered.engine_deployments.get(pool.name) if rendered else None
-        wl = workloads.get(deployment or "", Workload(pool.name, 0, 0, 0, False))
-        status["pools"].append(
-            {
-                "name": pool.name,
-                "role": pool.role,
+    def _workloads(self, namespace: str, rendered: Rendered | None) -> dict[str, Workload]:
+        out = {}
+        for obj in rendered.objects if rendered else []:
+            if obj["kind"] != "Deployment":
+                continue
+            name = obj["metadata"]["name"]
+            live = self.cache.get("Deployment", namespace, name)
+            # an autoscaled Deployment's size is whatever its HPA last chose
+            wanted = obj["spec"].get(
+                "replicas", ((live or {}).get("spec") or {}).get("replicas", 1)
+            )
+            out[name] = workload_of(live, name, int(wanted))
+        return out
+
+    async def _statuses(
+        self, inputs: Inputs, rendered: Rendered | None, problems: list[Problem]
+    ) -> None:
+        ipool = inputs.ipool
+        namespace = ipool["metadata"]["namespace"]
+        workloads = self._workloads(namespace, rendered)
+        generation = _generation(ipool)
+        now = _now()
+        previous = (ipool.get("status") or {}).get("conditions", [])
+        status: Json = {
+            "observedGeneration": generation,
+            "conditions": pool_conditions(
+                list(workloads.values()), problems, generation, previous, now
+            ),
+            "mode": "disaggregated"
+            if any(p.role == "prefill" for p in inputs.pools)
+            else "aggregated",
+            "pools": [],
+        }
+        if rendered is not None:
+            status["generationTag"] = rendered.generation
+            status["routerEndpoint"] = rendered.router_endpoint
+        for pool in inputs.pools:
+            kind = ENGINE_KINDS[pool.role]
+            deployment = rendered.engine_deployments.get(pool.name) if rendered else None
+            wl = workloads.get(deployment or "", Workload(pool.name, 0, 0, 0, False))
+            status["pools"].append(
+                {
+                    "name": pool.name,
+                    "role": pool.role,
+                    "replicas": wl.desired,
+                    "readyReplicas": wl.ready,
+                }
+            )
+            own = inputs.pool_objects[f"{kind}/{pool.name}"]
+            own_generation = _generation(own)
+            own_status: Json = {
+                "observedGeneration": own_generation,
                 "replicas": wl.desired,
                 "readyReplicas": wl.ready,
+                "conditions": pool_conditions(
+                    [wl],
+                    [],
+                    own_generation,
+                    (own.get("status") or {}).get("conditions", []),
+                    now,
+                ),
             }
-        )
-        own = inputs.pool_objects[f"{kind}/{pool.name}"]
-        own_status = {
-            "observedGeneration": int(own["metadata"].get("generation", 0)),
-            "replicas": wl.desired,
-            "readyReplicas": wl.ready,
-            "generationTag": rendered.generation if rendered else None,
-            "conditions": pool_conditions(
-                [wl],
-                [],
-                int(own["metadata"].get("generation", 0)),
-                own.get("status", {}).get("conditions", []),
+            if rendered is not None:
+                own_status["generationTag"] = rendered.generation
+            await self.writer.status(own, kind, own_status)
+        await self.writer.status(ipool, "InferencePool", status)
+
+    async def namespace(self, namespace: str) -> Result:
+        """Status of what no pool reconcile reports: KVCacheTiers (in use, valid) and
+        engine pools whose poolRef names no InferencePool."""
+        pools = {p["metadata"]["name"]: p for p in self.cache.objects("InferencePool", namespace)}
+        now = _now()
+        for kind in ENGINE_KINDS.values():
+            for item in self.cache.objects(kind, namespace):
+                ref = ((item.get("spec") or {}).get("poolRef") or {}).get("name", "")
+                if ref in pools:
+                    continue
+                generation = _generation(item)
+                problem = Problem(
+                    "PoolNotFound", f"poolRef names InferencePool {ref}, which does not exist"
+                )
+                status = {
+                    "observedGeneration": generation,
+                    "replicas": 0,
+                    "readyReplicas": 0,
+                    "conditions": pool_conditions(
+                        [],
+                        [problem],
+                        generation,
+                        (item.get("status") or {}).get("conditions", []),
+                        now,
+                    ),
+                }
+                await self.writer.status(item, kind, status)
+        tiers = self.cache.objects("KVCacheTier", namespace)
+        specs = {}
+        for tier in tiers:
+            try:
+                specs[tier["metadata"]["name"]] = api.KVCacheTierSpec.model_validate(tier["spec"])
+            except ValidationError:
+                continue
+        for tier in tiers:
+            status = tier_status(tier, list(pools.values()), specs, now)
+            await self.writer.status(tier, "KVCacheTier", status)
+        return None
+
+
+def tier_status(
+    tier: Json, pools: list[Json], specs: dict[str, api.KVCacheTierSpec], now: str
+) -> Json:
+    """A KVCacheTier's status: which pools use it (``InUse``), and whether it is valid
+    (``Ready``): its spec, and beside each pool's other tiers (one tier per kind).
+    ``specs``: the namespace's valid tiers by name."""
+    name = tier["metadata"]["name"]
+    generation = _generation(tier)
+    previous = (tier.get("status") or {}).get("conditions", [])
+    users = sorted(
+        p["metadata"]["name"]
+        for p in pools
+        if any(r.get("name") == name for r in (p.get("spec") or {}).get("kvCacheTiers") or [])
+    )
+    problems: list[str] = []
+    endpoints: list[str] = []
+    try:
+        spec = api.KVCacheTierSpec.model_validate(tier["spec"])
+        if spec.url is not None:
+            endpoints.append(store_address(spec).hostport)
+    except (ValidationError, RenderError) as exc:
+        problems.append(str(exc))
+        spec = None
+    if spec is not None:
+        for pool in pools:
+            if pool["metadata"]["name"] not in users:
+                continue
+            refs = [r.get("name") for r in pool["spec"].get("kvCacheTiers") or []]
+            others = [specs[r] for r in refs if r != name and r in specs]
+            try:
+                plan_tiers([spec, *others])
+            except RenderError as exc:
+                problems.append(f"InferencePool {pool['metadata']['name']}: {exc}")
+    valid = not problems
+    return {
+        "observedGeneration": generation,
+        "ready": valid,
+        "endpoints": endpoints,
+        "pools": users,
+        "conditions": [
+            condition(
+                "Ready",
+                valid,
+                "Valid" if valid else "Invalid",
+                "usable by engines" if valid else "; ".join(problems),
+                generation,
+                previous,
                 now,
             ),
-        }
-        await client.patch_status(kind, namespace, pool.name, own_status)
-    await client.patch_status("InferencePool", namespace, name, status)
-
-
-class Reconciler:
-    """Serialises and coalesces reconciles per pool: a burst of triggers while one
-    runs results in exactly one more run."""
-
-    def __init__(self, client: Kube, settings: OperatorSettings) -> None:
-        self.client = client
-        self.settings = settings
-        self._running: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self._dirty: set[tuple[str, str]] = set()
-
-    async def trigger(self, namespace: str, name: str) -> None:
-        key = (namespace, name)
-        if key in self._running:
-            self._dirty.add(key)
-            return
-        task = asyncio.create_task(self._loop(key), name=f"reconcile-{namespace}/{name}")
-        self._running[key] = task
-        await asyncio.shield(task)
-
-    async def _loop(self, key: tuple[str, str]) -> None:
-        try:
-            for _ in range(100):  # bounded: a pool rewritten faster than this is broken
-                self._dirty.discard(key)
-                try:
-                    await reconcile(self.client, self.settings, *key)
-                except Exception as exc:
-                    if api_error_status(exc) != 409:  # a conflict resolves on the next run
-                        log.error("reconcile %s/%s: %s", *key, exc)
-                        raise
-                if key not in self._dirty:
-                    return
-        finally:
-            self._running.pop(key, None)
+            condition(
+                "InUse",
+                bool(users),
+                "Referenced" if users else "Unreferenced",
+                ("used by InferencePool " + ", ".join(users))
+                if users
+                else "no InferencePool uses it",
+                generation,
+                previous,
+                now,
+            ),
+        ],
+    }

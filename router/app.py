@@ -10,6 +10,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -18,18 +19,21 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from kvplane.router import tracing
+from kvplane.router.auth import ROLE_KEY, Disclosure, Gate, Role, disclose, disclosure
 from kvplane.router.config import Backend, RouterConfig
 from kvplane.router.discovery import Discovery, StaticDiscovery
 from kvplane.router.errors import APIError
 from kvplane.router.forwarder import Forwarder
 from kvplane.router.generation import generation_tag
-from kvplane.router.headers import forward_headers, header_lines
+from kvplane.router.headers import HeaderPolicy
 from kvplane.router.index.base import ResidencyIndex
 from kvplane.router.index.guarded import GuardedIndex
 from kvplane.router.index.instrumented import InstrumentedIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.kvevents.service import Indexer
+from kvplane.router.openapi import router_openapi
 from kvplane.router.pd.handoff import PDService
 from kvplane.router.pipeline import Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
@@ -38,6 +42,7 @@ from kvplane.router.request import ParsedRequest, parse_request
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
+from kvplane.router.tracing import OFF, Tracing
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
@@ -51,7 +56,8 @@ def pool_generation(config: RouterConfig) -> str:
     m = config.model
     if m.generation:
         return m.generation
-    return generation_tag(m.name, m.revision, tokenizer_fingerprint(m.tokenizer), m.block_size)
+    tokenizer = tokenizer_fingerprint(m.tokenizer)
+    return generation_tag(m.name, m.revision, tokenizer, m.block_size, pool=config.pool)
 
 
 def make_index(config: RouterConfig, generation: str) -> ResidencyIndex:
@@ -89,18 +95,26 @@ class Router:
     pipeline: RoutingPipeline
     proxy: Proxy
     client: httpx.AsyncClient  # scrapes, /v1/models and the P/D legs; the proxy has its own
+    gate: Gate
+    header_policy: HeaderPolicy
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     indexer: Indexer | None = None  # embedded KV event ingestion, if any
     pd: PDService | None = None  # the P/D path, when config.pd is set
     metric_children: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    tracing: Tracing = OFF  # OpenTelemetry spans per request (config.tracing)
 
 
 def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> Router:
     generation = pool_generation(config)
     metrics = RouterMetrics(config.pool, config.model.name)
-    tokenizer = PromptTokenizer(config.model.tokenizer, config.model.chat_template)
+    tokenizer = PromptTokenizer(
+        config.model.tokenizer,
+        config.model.chat_template,
+        reuse_max_tokens=config.model.tokenizer_cache_tokens,
+        max_prompt_ids=config.model.max_model_len,
+    )
     index = index or make_index(config, generation)
-    pool = Pool()
+    pool = Pool(config.demote_first_s, config.demote_max_s)
     limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
     timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
     client = httpx.AsyncClient(limits=limits, timeout=timeout)
@@ -108,10 +122,24 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     guarded = GuardedIndex(InstrumentedIndex(index, metrics), timeout_s, metrics)
     pipeline = RoutingPipeline(config, tokenizer, guarded, pool, metrics, generation)
     forwarder = Forwarder(config.connect_timeout_s, config.read_timeout_s)
-    proxy = Proxy(forwarder, pool, metrics, config.max_attempts)
-    router = Router(config, generation, tokenizer, index, pool, metrics, pipeline, proxy, client)
+    proxy = Proxy(forwarder, pool, metrics, config.max_attempts, config.first_byte_timeout_s)
+    router = Router(
+        config,
+        generation,
+        tokenizer,
+        index,
+        pool,
+        metrics,
+        pipeline,
+        proxy,
+        client,
+        Gate(config.auth),
+        HeaderPolicy.of(config),
+    )
+    router.tracing = Tracing.of(config.tracing, config.pool)
     if config.pd is not None:
         router.pd = PDService(config, pipeline, pool, index, metrics, client)
+    pool.on_demote = lambda pod: metrics.demotions.labels(**metrics.labels, pod=pod).inc()
     return router
 
 
@@ -125,24 +153,29 @@ async def _apply_backends(router: Router, backends: list[Backend]) -> None:
     router.proxy.retain(s.backend.url for s in router.pool.states.values())
     if router.indexer is not None:
         await router.indexer.set_backends(backends)
-    for name in removed:
-        with contextlib.suppress(KeyError):
-            router.metrics.backend_healthy.remove(*router.metrics.labels.values(), name)
+    for name in removed:  # nothing kept per pod outlives it
+        router.metrics.forget_pod(name)
+        router.proxy.forget(name)
+        for key in [k for k in router.metric_children if k[-1] == name]:
+            del router.metric_children[key]
 
 
-def _headers(routed: Routed, request_id: str, pod: str, attempts: int) -> dict[str, str]:
+def _headers(
+    routed: Routed, request_id: str, pod: str, attempts: int, level: Disclosure
+) -> dict[str, str]:
+    """The response's headers, as much as the caller may see (auth.Disclosure)."""
+    out = {"x-request-id": request_id}
+    if level is Disclosure.NONE:
+        return out
     d = routed.decision
-    out = {
-        "x-request-id": request_id,
-        "x-kvplane-pod": pod,
-        "x-kvplane-reason": d.reason if pod == d.pod else f"retry_after_{d.pod}",
-        "x-kvplane-attempts": str(attempts),
-    }
+    out["x-kvplane-pod"] = pod
+    out["x-kvplane-reason"] = d.reason if pod == d.pod else f"retry_after_{d.pod}"
+    out["x-kvplane-attempts"] = str(attempts)
     whole = routed.prompt.whole()  # None: a deferred tail still being encoded
     if whole is not None:
         out["x-kvplane-prompt-tokens"] = str(len(whole[0]))
     terms = d.terms.get(pod)
-    if terms is not None:
+    if terms is not None and level is Disclosure.ALL:  # residency: admins only
         out["x-kvplane-predicted-ttft-ms"] = f"{terms.ttft_ms:.2f}"
         out["x-kvplane-predicted-cached-tokens"] = str(terms.cached_tokens)
     return out
@@ -163,6 +196,7 @@ def create_app(
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         scraper = Scraper(router.pool, router.client, config.scrape_interval_s)
+        await router.gate.start()
         if embed:
             router.indexer = Indexer(
                 router.index, generation=router.generation, block_size=config.model.block_size
@@ -177,13 +211,14 @@ def create_app(
         await scraper.scrape_once()
         scraper.start()
         # What start-up built (tokenizer, templates, models, imports) lives as long as
-        # the process: out of the collector's sight, a full collection costs little
-        # instead of tens of ms in some request's path.
+        # the process: out of the collector's sight, a full collection stays short
+        # instead of walking it all in some request's path.
         gc.collect()
         gc.freeze()
         try:
             yield
         finally:
+            await router.gate.stop()
             await scraper.stop()
             if router.indexer is not None:
                 await router.indexer.stop()
@@ -193,9 +228,12 @@ def create_app(
             router.proxy.close()
             await router.index.close()
             router.tokenizer.close()
+            router.pipeline.close()
+            router.tracing.shutdown()
 
-    app = _RouterApp(title="kvplane router", lifespan=lifespan)
+    app = _RouterApp(router.gate, title="kvplane router", lifespan=lifespan)
     app.state.router = router
+    app.openapi = lambda: router_openapi(app)  # type: ignore[method-assign]
     labels = router.metrics.labels
 
     @app.exception_handler(APIError)
@@ -206,35 +244,54 @@ def create_app(
         received = time.perf_counter()
         raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
         request_id = _request_id(raw_headers)
+        level = disclosure(scope.get(ROLE_KEY, Role.USER), config.auth)
         status = "error"
+        traced = router.tracing.begin(raw_headers, path)
         try:
-            raw = await _read_body(receive)
+            raw = await _read_body(scope, receive, config.server.max_body_bytes)
             req = parse_request(raw, kind)
             _check_model(config, req)
             if router.pd is not None:
-                headers = forward_headers(_str_headers(raw_headers), request_id)
+                headers = router.header_policy.forward(raw_headers, request_id)
                 response = await router.pd.serve(req, path, headers, request_id, received)
+                _disclose_response(response, level)
                 status = str(response.status_code)
                 await response(scope, receive, send)
                 return
             routed = await router.pipeline.route(req, defer_tail=True)
-            answer = _Answer(router, routed, request_id)
-            lines = header_lines(raw_headers, request_id.encode("latin-1"))
-            dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
-            _child(router, router.metrics.added, *label_values).observe(
-                time.perf_counter() - received
-            )
-            try:
-                status = str(await router.proxy.send(dispatch, receive, send))
-            finally:
-                answer.done()
+            router.metrics.chose(routed.decision.terms.get(routed.decision.pod), req.max_tokens)
+            answer = _Answer(router, routed, request_id, level)
+            with tracing.span("kvplane.proxy", True):
+                if tracing.on():
+                    tracing.set_attributes(pod=routed.decision.pod)
+                lines = router.header_policy.lines(
+                    tracing.headers(raw_headers), request_id.encode("latin-1")
+                )
+                dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
+                _child(router, router.metrics.added, *label_values).observe(
+                    time.perf_counter() - received
+                )
+                try:
+                    status = str(await router.proxy.send(dispatch, receive, send))
+                finally:
+                    answer.done()
         except APIError as exc:
             status = str(exc.status)
-            await exc.response({"x-request-id": request_id})(scope, receive, send)
+            extra = {"x-request-id": request_id}
+            if exc.status == 413:  # the rest of the body is not read: no reuse
+                extra["connection"] = "close"
+            await exc.response(extra)(scope, receive, send)
         except ClientDisconnect:
             pass  # gone before its body arrived: nobody to answer
+        except Exception:
+            status = "500"
+            log.exception("request %s failed", request_id)
+            with contextlib.suppress(RuntimeError):  # unless the answer had started
+                error = APIError(500, f"internal error in the router (request {request_id})")
+                await error.response({"x-request-id": request_id})(scope, receive, send)
         finally:
             _child(router, router.metrics.requests, *label_values, kind, status).inc()
+            router.tracing.end(traced, status)
 
     label_values = tuple(labels.values())
     # Raw ASGI endpoints on the hot path: no Request object, no response object, and
@@ -248,7 +305,7 @@ def create_app(
     async def explain(request: Request) -> Response:
         """Each candidate's cost terms for a request body, without sending it."""
         try:
-            raw = await request.body()
+            raw = await _read_body(request.scope, request.receive, config.server.max_body_bytes)
             req = parse_request(raw)  # chat when the body has "messages"
             _check_model(config, req)
             if router.pd is not None:
@@ -271,8 +328,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        now = time.monotonic()
         for name, st in router.pool.states.items():
-            router.metrics.backend_healthy.labels(**labels, pod=name).set(int(st.healthy))
+            router.metrics.backend_healthy.labels(**labels, pod=name).set(int(st.routable(now)))
             router.metrics.inflight.labels(**labels, pod=name).set(st.inflight)
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -280,20 +338,27 @@ def create_app(
 
 
 class _RouterApp(FastAPI):
-    """FastAPI whose completion routes skip its middleware stack (~35 us a request
-    of exception, telemetry and body-limit layers and route matching they do not
-    use: they answer errors themselves)."""
+    """FastAPI behind the auth gate, whose completion routes skip its middleware stack
+    (exception, telemetry and body-limit layers and route matching they do not use:
+    they answer errors themselves), a measurable share of a request's router overhead."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, gate: Gate, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.gate = gate
         self.hot_routes: dict[str, _Endpoint] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = self.hot_routes.get(scope["path"])
-            if endpoint is not None:
-                await endpoint(scope, receive, send)
+        if scope["type"] == "http":
+            try:  # every HTTP request: its caller's role, or its refusal
+                scope[ROLE_KEY] = self.gate.role(scope["path"], scope["headers"])
+            except APIError as exc:
+                await exc.response()(scope, receive, send)
                 return
+            if scope["method"] == "POST":
+                endpoint = self.hot_routes.get(scope["path"])
+                if endpoint is not None:
+                    await endpoint(scope, receive, send)
+                    return
         await super().__call__(scope, receive, send)
 
 
@@ -307,35 +372,55 @@ class _Endpoint:
         await self._handle(scope, receive, send, self._kind, self._path)
 
 
-async def _read_body(receive: Receive) -> bytes:
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body too large (over {limit} bytes: server.max_body_bytes)")
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body, refused (413) as soon as it proves longer than ``limit``."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise _too_large(limit)
     message = await receive()
     body: bytes = message.get("body", b"")
     if not message.get("more_body", False):
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
         return body
-    parts = [body]
+    parts, size = [body], len(body)
     while True:  # ends: the server sends more_body=False or a disconnect
         message = await receive()
         if message["type"] == "http.disconnect":
             raise ClientDisconnect()
-        parts.append(message.get("body", b""))
+        part = message.get("body", b"")
+        size += len(part)
+        if size > limit:
+            raise _too_large(limit)
+        parts.append(part)
         if not message.get("more_body", False):
             return b"".join(parts)
 
 
 def _request_id(raw_headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's ``x-request-id`` when it is a short printable token, else a new one
+    (it is echoed in a response header and forwarded to the engine)."""
     for name, value in raw_headers:
-        if name == b"x-request-id" and value:
-            return value.decode("latin-1")
+        if name == b"x-request-id" and 0 < len(value) <= 128 and _PRINTABLE.fullmatch(value):
+            return value.decode("ascii")
     return f"kvp-{uuid.uuid4().hex}"
 
 
-def _str_headers(raw_headers: list[tuple[bytes, bytes]]) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for name, value in raw_headers:
-        out.setdefault(name.decode("latin-1"), value.decode("latin-1"))
-    return out
+_PRINTABLE = re.compile(rb"[\x21-\x7e]+")
+
+
+def _disclose_response(response: Response, level: Disclosure) -> None:
+    """Drop the headers of a prepared response that the caller may not see."""
+    if level is Disclosure.ALL:
+        return
+    shown = disclose(dict(response.headers), level)
+    for name in list(response.headers.keys()):
+        if name not in shown:
+            del response.headers[name]
 
 
 def _child(router: Router, metric: Any, *values: str) -> Any:
@@ -362,8 +447,9 @@ class _Answer:
     the pod that takes it is marked as holding the prompt's blocks until its events say
     otherwise, and the engine's reported cached tokens feed the drift metrics."""
 
-    def __init__(self, router: Router, routed: Routed, request_id: str) -> None:
+    def __init__(self, router: Router, routed: Routed, request_id: str, level: Disclosure) -> None:
         self._router, self._routed, self._request_id = router, routed, request_id
+        self._level = level
         m = router.metrics
         lv = tuple(m.labels.values())
         d = routed.decision
@@ -379,7 +465,8 @@ class _Answer:
         uncached = {p: n - t.cached_tokens for p, t in d.terms.items()} or dict.fromkeys(
             d.ranked, n
         )
-        return Dispatch(path, body, lines, d.ranked, uncached, n, stream, self)
+        ttft = {p: t.ttft_ms / 1000 for p, t in d.terms.items()}
+        return Dispatch(path, body, lines, d.ranked, uncached, n, stream, self, ttft)
 
     def headers_for(self, pod: str, attempts: int) -> dict[str, str]:
         self._served = pod
@@ -387,7 +474,7 @@ class _Answer:
         # only the blocks the pod does not hold already need a mark (a shared prefix: few)
         held = routed.matches.get(pod, {}).get(Tier.HBM, 0) if routed.matches else 0
         self._mark(pod, routed.prompt.keys[held:])
-        return _headers(routed, self._request_id, pod, attempts)
+        return _headers(routed, self._request_id, pod, attempts, self._level)
 
     def reported(self, cached_tokens: int) -> None:
         m = self._router.metrics

@@ -28,7 +28,20 @@ class ModelSpec(_Strict):
     chat_template: str | None = Field(
         default=None, description="overrides the tokenizer's template, as vLLM's --chat-template"
     )
+    trust_request_chat_template: bool = Field(
+        default=False,
+        description="accept a request's own chat_template (vLLM's --trust-request-chat-template); "
+        "it is rendered in a separate process, cut at request_template_timeout_s",
+    )
+    request_template_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=2.0, description="a request-supplied chat template rendering longer is a 400"
+    )
     kv_bytes_per_token: Annotated[int, Field(gt=0)] = 131072
+    tokenizer_cache_tokens: Annotated[int, Field(ge=0)] = Field(
+        default=4_000_000,
+        description="token ids of recent prompts kept for exact prefix reuse (4 bytes each, "
+        "plus their block keys); 0 turns reuse off",
+    )
     generation: str | None = Field(
         default=None,
         description="the pool's generation tag (the operator sets it); by default derived "
@@ -215,6 +228,16 @@ class PDSpec(_Strict):
     )
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces of requests (router/tracing.py), exported over OTLP/HTTP."""
+
+    endpoint: Annotated[str, Field(pattern=r"^https?://")] = Field(
+        description="the collector's OTLP/HTTP base URL (spans go to <endpoint>/v1/traces)"
+    )
+    sampling_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
+    service_name: str = "kvplane-router"
+
+
 class IndexSpec(_Strict):
     backend: str = Field(default="memory", pattern="^(memory|redis)$")
     url: str = "redis://127.0.0.1:6379/0"
@@ -225,6 +248,82 @@ class IndexSpec(_Strict):
         default=5000.0,
         description="socket timeout of every Redis command: event writes are not on a "
         "request's path, and a write cut short costs the pod a resync",
+    )
+
+
+class MetricsAccess(StrEnum):
+    """Who may read ``/metrics``."""
+
+    OPEN = "open"  # anyone who reaches the port (kubelet probes, Prometheus)
+    API_KEY = "api_key"  # any accepted API key (or an admin key)
+    ADMIN = "admin"  # an admin key
+
+
+class AuthSpec(_Strict):
+    """Who may call the router, and what each caller is told (docs/security.md).
+
+    A key source is a file (one key per line) or a directory (a mounted Kubernetes
+    Secret: every file in it, one key per line); it is re-read when it changes."""
+
+    api_keys: str | None = Field(
+        default=None,
+        description="accepted bearer tokens for the OpenAI routes; none: those routes are open",
+    )
+    admin_keys: str | None = Field(
+        default=None,
+        description="bearer tokens of admins: /kvplane/explain, /docs, /openapi.json and the "
+        "residency headers; none: admin endpoints are off",
+    )
+    open_admin: bool = Field(
+        default=False,
+        description="every caller is an admin: a router on loopback for development and "
+        "benchmarks only (explain and the headers reveal what other clients' prompts hold)",
+    )
+    metrics: MetricsAccess = MetricsAccess.OPEN
+    route_headers: bool = Field(
+        default=False,
+        description="every response names its pod and reason (x-kvplane-pod, -reason, "
+        "-attempts, -prompt-tokens); a cache_hit reason tells a caller that its prefix was "
+        "resident, so only for tenants that may know that of each other",
+    )
+    forward_authorization: bool = Field(
+        default=False, description="send the client's Authorization header on to the engines"
+    )
+    forward_cookie: bool = Field(
+        default=False, description="send the client's Cookie header on to the engines"
+    )
+    reload_interval_s: Annotated[float, Field(gt=0)] = Field(
+        default=2.0, description="how often the key sources are checked for changes"
+    )
+
+
+class ServerSpec(_Strict):
+    """Bounds on what one client can hold of the router (router/serving.py)."""
+
+    max_connections: Annotated[int, Field(ge=8)] = Field(
+        default=4096,
+        description="open client connections; at the cap a new one closes the longest idle "
+        "connection (none: it is refused); lowered to half the file-descriptor limit",
+    )
+    header_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=10.0,
+        description="a request head (line and headers) must arrive within this long of the "
+        "connection opening or the previous response ending",
+    )
+    body_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=60.0, description="a request body must arrive within this long of its head"
+    )
+    keep_alive_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0, description="an idle keep-alive connection is closed after this long"
+    )
+    max_body_bytes: Annotated[int, Field(gt=0)] = Field(
+        default=32 * 1024 * 1024, description="a longer request body is a 413"
+    )
+    max_headers: Annotated[int, Field(gt=0)] = Field(
+        default=100, description="more request header fields are a 431"
+    )
+    max_header_bytes: Annotated[int, Field(ge=1024)] = Field(
+        default=32 * 1024, description="a longer request head (line and headers) is a 431"
     )
 
 
@@ -246,26 +345,43 @@ class RouterConfig(_Strict):
     index: IndexSpec = Field(default_factory=IndexSpec)
     scrape_interval_s: Annotated[float, Field(gt=0)] = 1.0
     connect_timeout_s: Annotated[float, Field(gt=0)] = 2.0
-    read_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    read_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=600.0,
+        description="longest wait for a backend's response head (a non-streamed answer "
+        "comes whole) or for any next piece of a body",
+    )
+    first_byte_timeout_s: Annotated[float, Field(gt=0)] = Field(
+        default=30.0,
+        description="a stream's first chunk must come within this plus 4x the pod's "
+        "predicted TTFT, else the pod is stalled: it is demoted and the request retried",
+    )
+    demote_first_s: Annotated[float, Field(gt=0)] = Field(
+        default=2.0,
+        description="a pod that stalls, answers 5xx or drops requests other pods serve is "
+        "out of rotation this long, doubling on each repeat up to demote_max_s",
+    )
+    demote_max_s: Annotated[float, Field(gt=0)] = 60.0
     max_attempts: Annotated[int, Field(ge=1)] = 3
     pool: str = "default"
     pd: PDSpec | None = Field(
         default=None, description="prefill/decode disaggregation over backends' roles"
     )
+    auth: AuthSpec = Field(default_factory=AuthSpec)
+    server: ServerSpec = Field(default_factory=ServerSpec)
+    tracing: TracingConfig | None = Field(default=None, description="off when absent")
 
     @field_validator("policy")
     @classmethod
     def _known_policy(cls, name: str) -> str:
-        from kvplane.router.policies import options_model  # the policies import this module
+        from kvplane.router.policies import registry  # the policies import this module
 
-        options_model(name)  # raises for an unknown name, listing the known ones
-        return name
+        return registry.check_policy(name)
 
     @model_validator(mode="after")
     def _policy_options(self) -> RouterConfig:
-        from kvplane.router.policies import options_model
+        from kvplane.router.policies import registry
 
-        options_model(self.policy).model_validate(self.policy_options)
+        registry.check_options(self.policy, self.policy_options)
         return self
 
     @model_validator(mode="after")

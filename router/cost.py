@@ -52,6 +52,7 @@ class CostTerms:
     recompute_ms: float
     cached_tokens: int  # tokens reused: resident in HBM or loaded from a slower tier
     loaded_from: dict[Tier, int] = field(default_factory=dict)  # tokens loaded per tier
+    loaded_ms: dict[Tier, float] = field(default_factory=dict)  # their transfer, per tier
 
     @property
     def ttft_ms(self) -> float:
@@ -112,22 +113,25 @@ class CostModel:
         resident = min(match.get(Tier.HBM, 0) * block_size, reusable)
 
         best_loaded: dict[Tier, int] = {}
+        best_loaded_ms: dict[Tier, float] = {}
         best_transfer, best_covered = 0.0, resident
         best_total = (prompt_tokens - resident) * per_token_ms
         loaded: dict[Tier, int] = {}
+        loaded_ms: dict[Tier, float] = {}
         covered, transfer = resident, 0.0
         for tier in TIER_ORDER[1:]:
             upto = min(match.get(tier, 0) * block_size, reusable)
             extra = upto - covered
             if extra <= 0:
                 continue
-            transfer += transfer_ms(extra, tier, params, self.kv_bytes_per_token)
+            ms = transfer_ms(extra, tier, params, self.kv_bytes_per_token)
+            transfer += ms
             covered = upto
-            loaded = {**loaded, tier: extra}
+            loaded, loaded_ms = {**loaded, tier: extra}, {**loaded_ms, tier: ms}
             total = transfer + (prompt_tokens - covered) * per_token_ms
             if total < best_total:
                 best_total, best_transfer, best_covered = total, transfer, covered
-                best_loaded = loaded
+                best_loaded, best_loaded_ms = loaded, loaded_ms
         return CostTerms(
             pod=pod,
             queue_ms=queue_ms(load, params),
@@ -135,4 +139,5 @@ class CostModel:
             recompute_ms=(prompt_tokens - best_covered) * per_token_ms,
             cached_tokens=best_covered,
             loaded_from=best_loaded,
+            loaded_ms=best_loaded_ms,
         )

@@ -20,6 +20,7 @@ from kubernetes_asyncio import watch
 from kubernetes_asyncio.client.exceptions import ApiException
 from kvplane.router.backoff import Backoff
 from kvplane.router.config import Backend, BackendRole, KubernetesDiscoverySpec
+from kvplane.router.errors import describe
 from kvplane.router.kube import api_client
 
 log = logging.getLogger("kvplane.router.discovery")
@@ -121,5 +122,5 @@ class KubernetesDiscovery:
                 backoff.reset()
             except (TimeoutError, ApiException, aiohttp.ClientError, KeyError) as exc:
                 delay = backoff.next()
-                log.warning("pod discovery failed (%s); retrying in %.1fs", exc, delay)
+                log.warning("pod discovery failed (%s); retrying in %.1fs", describe(exc), delay)
                 await asyncio.sleep(delay)

@@ -9,13 +9,25 @@ from starlette.responses import JSONResponse
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
-    503: "service_unavailable",
+    431: "invalid_request_error",
+    500: "server_error",
     502: "bad_gateway",
+    503: "service_unavailable",
+    504: "timeout",
 }
+
+
+def describe(exc: BaseException) -> str:
+    """An exception for a log line: its type, and its message when it has one (many
+    network errors have none, and a bare ``()`` says nothing)."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class APIError(Exception):
@@ -36,6 +48,8 @@ class APIError(Exception):
         }
 
     def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        if self.status == 401:  # RFC 6750: how to authenticate
+            headers = {**(headers or {}), "www-authenticate": "Bearer"}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 client for the proxy's hot path.
 
 Why not httpx here: per request it builds request and response models, header
-objects, an anyio stream and several layers of async generators, which measured as
-most of the router's added latency on a shared 8K-token prompt (bench/RESULTS.md,
-"Router overhead"). Here a
+objects, an anyio stream and several layers of async generators, which profiled as
+most of the router's added latency on a shared 8K-token prompt when the proxy used
+it (bench/HISTORY.md). Here a
 request is one ``writelines`` of pre-joined bytes on a pooled keep-alive
 connection, and the response is parsed by httptools (llhttp) from the protocol
 callbacks; the body is handed over as the parser yields it, so a stream passes
@@ -11,9 +11,12 @@ through chunk by chunk.
 
 Failure semantics the proxy relies on:
 
-* :class:`BackendUnavailable`: no response head (connect refused or timed out,
-  reset or closed, read timeout, malformed response). Nothing reached the
-  client, so the request may go to another pod. A reused keep-alive connection
+* :class:`BackendUnavailable`: no response head. Nothing reached the client, so
+  the request may go to another pod; its ``cause`` tells the proxy whose fault it
+  may be: ``CONNECT`` (refused or timed out: the pod is unreachable), ``CLOSED``
+  (closed, reset or a malformed answer after the request was sent: the pod, or
+  the request itself), ``TIMEOUT`` (no head in time: the engine took the request)
+  or ``BUSY`` (the router's own in-flight cap). A reused keep-alive connection
   that the backend had closed is retried once on a fresh one first.
 * :class:`ResponseBroken`: the response broke after its head.
 
@@ -30,6 +33,7 @@ import socket
 import ssl
 from collections import deque
 from collections.abc import Iterable
+from enum import Enum
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -40,12 +44,27 @@ HIGH_WATER = 256 * 1024
 LOW_WATER = 64 * 1024
 
 
+class Cause(Enum):
+    CONNECT = "connect"
+    CLOSED = "closed"
+    TIMEOUT = "timeout"
+    BUSY = "busy"
+
+
 class BackendUnavailable(Exception):
     """The backend gave no response head; nothing was relayed to the client."""
 
+    def __init__(self, message: str, cause: Cause) -> None:
+        super().__init__(message)
+        self.cause = cause
+
 
 class ResponseBroken(Exception):
-    """The backend's response broke after its head."""
+    """The backend's response broke after its head (``timed_out``: no data in time)."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 def _expire(fut: asyncio.Future[None]) -> None:
@@ -182,11 +201,13 @@ class _Connection(asyncio.Protocol):
         self._transport.writelines(parts)
         while not self.head_done:
             if self._failed():
-                raise BackendUnavailable(_describe(self.error, "connection closed"))
+                raise BackendUnavailable(_describe(self.error, "connection closed"), Cause.CLOSED)
             try:
                 await self._wait(timeout_s)
             except TimeoutError:
-                raise BackendUnavailable(f"no response head within {timeout_s:g} s") from None
+                raise BackendUnavailable(
+                    f"no response head within {timeout_s:g} s", Cause.TIMEOUT
+                ) from None
 
     def take(self) -> bytes | None:
         """The next buffered body piece, if any."""
@@ -206,7 +227,7 @@ class _Connection(asyncio.Protocol):
         try:
             await self._wait(timeout_s)
         except TimeoutError:
-            raise ResponseBroken(f"no data within {timeout_s:g} s") from None
+            raise ResponseBroken(f"no data within {timeout_s:g} s", timed_out=True) from None
 
 
 def _describe(exc: BaseException | None, default: str) -> str:
@@ -260,8 +281,9 @@ class UpstreamResponse:
                 return b"".join(parts)
             await conn.more(self._read_s)
 
-    async def next_chunk(self) -> bytes | None:
-        """The next body piece as the backend sent it; None at the end."""
+    async def next_chunk(self, timeout_s: float | None = None) -> bytes | None:
+        """The next body piece as the backend sent it; None at the end. ``timeout_s``:
+        the longest wait for it (default: the read timeout)."""
         conn = self._conn
         while True:
             piece = conn.take()
@@ -269,7 +291,7 @@ class UpstreamResponse:
                 return piece
             if conn.complete:
                 return None
-            await conn.more(self._read_s)
+            await conn.more(self._read_s if timeout_s is None else timeout_s)
 
     def abort(self) -> None:
         """Drops the connection now (the client went away): a pending read fails."""
@@ -369,21 +391,28 @@ class Forwarder:
             )
         except TimeoutError:
             raise BackendUnavailable(
-                f"connect timed out after {self.connect_timeout_s:g} s"
+                f"connect timed out after {self.connect_timeout_s:g} s", Cause.CONNECT
             ) from None
         except OSError as exc:
-            raise BackendUnavailable(_describe(exc, "connect failed")) from exc
+            raise BackendUnavailable(_describe(exc, "connect failed"), Cause.CONNECT) from exc
         return conn
 
     async def post(
-        self, url: str, path: bytes, header_lines: bytes, body: bytes
+        self,
+        url: str,
+        path: bytes,
+        header_lines: bytes,
+        body: bytes,
+        head_timeout_s: float | None = None,
     ) -> UpstreamResponse:
         """Sends ``POST url+path`` and returns once the response head is in.
 
         ``header_lines`` are complete ``name: value\\r\\n`` lines (no host or
         content-length: this client writes those). Raises
-        :class:`BackendUnavailable` when no head arrives.
+        :class:`BackendUnavailable` when no head arrives within ``head_timeout_s``
+        (default: the read timeout).
         """
+        head_s = self.read_timeout_s if head_timeout_s is None else head_timeout_s
         origin = self._origin(url)
         head = b"".join(
             (
@@ -402,7 +431,9 @@ class Forwarder:
             try:
                 await asyncio.wait_for(self._slots.acquire(), self.read_timeout_s)
             except TimeoutError:
-                raise BackendUnavailable("too many requests in flight to the backends") from None
+                raise BackendUnavailable(
+                    "too many requests in flight to the backends", Cause.BUSY
+                ) from None
         else:
             await self._slots.acquire()
         try:
@@ -412,7 +443,7 @@ class Forwarder:
                 if conn is None:
                     conn = await self._connect(origin)
                 try:
-                    await conn.send(parts, self.read_timeout_s)
+                    await conn.send(parts, head_s)
                 except BackendUnavailable:
                     conn.active = False
                     stale = reused and conn.lost and not conn.got_bytes
@@ -425,7 +456,7 @@ class Forwarder:
                     conn.close()
                     raise
                 return UpstreamResponse(conn, origin, self, self.read_timeout_s)
-            raise BackendUnavailable("connection closed")  # pragma: no cover - loop returns
+            raise BackendUnavailable("connection closed", Cause.CLOSED)  # pragma: no cover
         except BaseException:
             self._slots.release()
             raise

@@ -14,7 +14,9 @@ from pathlib import Path
 
 from kvplane.router.app import make_discovery, make_index, pool_generation
 from kvplane.router.config import load_config
+from kvplane.router.index.instrumented import CountedWrites
 from kvplane.router.kvevents.service import Indexer
+from kvplane.router.telemetry import indexer_blocks
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -44,9 +46,10 @@ async def run_indexer(config_path: str | Path, metrics_port: int) -> int:
         log.warning("indexer with an in-memory index only helps an embedded router")
     generation = pool_generation(config)
     index = make_index(config, generation)
-    indexer = Indexer(index, generation=generation, block_size=config.model.block_size)
+    registry = CollectorRegistry()
+    writes = CountedWrites(index, indexer_blocks(registry))
+    indexer = Indexer(writes, generation=generation, block_size=config.model.block_size)
     if metrics_port:
-        registry = CollectorRegistry()
         registry.register(IndexerCollector(indexer))
         start_http_server(metrics_port, registry=registry)
     stop = asyncio.Event()

@@ -6,23 +6,39 @@ takes kubeconfigs with token, client-certificate, exec-plugin or OIDC users, res
 watches from their last resourceVersion (``watch.Watch``), and applies arbitrary
 manifests through its dynamic client. kvplane works on plain dicts (the operator
 renders them), so this module only maps kinds to the dynamic client's resources.
+
+Every call retries what the API server means as "try again" (429, 5xx such as
+``storage is (re)initializing`` after a restart, a reset connection) with a doubling
+back-off, a bounded number of times; every call kvplane makes is idempotent (reads,
+server-side apply, merge patches, deletes), so a retry never doubles an effect.
 """
 
 from __future__ import annotations
 
+import asyncio
+import builtins
+import json
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
+import aiohttp
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as kconfig
 from kubernetes_asyncio.dynamic import DynamicClient
 from kubernetes_asyncio.dynamic.resource import Resource
+from kvplane.router.backoff import Backoff
 
 from kvplane.types import Json
+
+log = logging.getLogger("kvplane.kube")
+
+T = TypeVar("T")
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # a pod's service account
 
@@ -37,6 +53,9 @@ API_VERSIONS: Final[dict[str, str]] = {
     "HorizontalPodAutoscaler": "autoscaling/v2",
     "Role": "rbac.authorization.k8s.io/v1",
     "RoleBinding": "rbac.authorization.k8s.io/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
+    "KopfPeering": "kopf.dev/v1",
+    "ClusterKopfPeering": "kopf.dev/v1",
     "InferencePool": "kvplane.io/v1alpha1",
     "PrefillPool": "kvplane.io/v1alpha1",
     "DecodePool": "kvplane.io/v1alpha1",
@@ -67,11 +86,23 @@ async def api_client(kubeconfig: str | None = None) -> k8s.ApiClient:
     return k8s.ApiClient(cfg)
 
 
+# Attempts of one call before its error reaches the caller (about 15 s of back-off).
+ATTEMPTS: Final = 6
+REQUEST_TIMEOUT_S: Final = 60.0
+
+
 class Kube:
-    """The calls kvplane makes, on plain dicts, through one ``ApiClient``."""
+    """The calls kvplane makes, on plain dicts, through one ``ApiClient``.
+
+    ``requests`` counts the HTTP requests made (retries included; watches apart, in
+    ``watches``) and ``writes`` those that change something (applies, status
+    patches, deletes)."""
 
     def __init__(self, api: k8s.ApiClient) -> None:
         self.api = api
+        self.requests = 0
+        self.writes = 0
+        self.watches = 0
         self._dynamic: DynamicClient | None = None
         self._resources: dict[str, Resource] = {}
         # API discovery is cached per client, not in a file another cluster may have left
@@ -82,71 +113,178 @@ class Kube:
         return cls(await api_client(kubeconfig))
 
     async def _resource(self, kind: str) -> tuple[DynamicClient, Resource]:
-        if self._dynamic is None:
-            cache = os.path.join(self._cache_dir, "discovery.json")
-            self._dynamic = await DynamicClient(self.api, cache_file=cache)
+        """The dynamic client and the resource of ``kind`` (API discovery, cached)."""
         res = self._resources.get(kind)
-        if res is None:
-            res = self._resources[kind] = await self._dynamic.resources.get(
-                api_version=API_VERSIONS[kind], kind=kind
-            )
-        return self._dynamic, res
+        if self._dynamic is not None and res is not None:
+            return self._dynamic, res
+
+        async def discover() -> tuple[DynamicClient, Resource]:
+            if self._dynamic is None:
+                cache = os.path.join(self._cache_dir, "discovery.json")
+                self._dynamic = await DynamicClient(self.api, cache_file=cache)
+            found = await self._dynamic.resources.get(api_version=API_VERSIONS[kind], kind=kind)
+            self._resources[kind] = found
+            return self._dynamic, found
+
+        return await self._call(discover)
+
+    async def _call(self, request: Callable[[], Awaitable[T]], *, write: bool = False) -> T:
+        """``request()`` until it succeeds, fails for good, or runs out of attempts."""
+        backoff = Backoff(0.25, 8.0)
+        for attempt in range(1, ATTEMPTS + 1):
+            self.requests += 1
+            self.writes += write
+            try:
+                return await request()
+            except Exception as exc:
+                if attempt == ATTEMPTS or not is_transient(exc):
+                    raise
+                delay = max(backoff.next(), retry_after(exc))
+                log.info("transient API error (%s); retrying in %.2fs", exc, delay)
+                await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
 
     async def get(self, kind: str, namespace: str, name: str) -> Json | None:
         dyn, res = await self._resource(kind)
-        resp = await dyn.get(res, name=name, namespace=namespace, serialize=False)
-        return await _body(resp, missing_ok=True)
+
+        async def request() -> Json | None:
+            resp = await dyn.get(
+                res,
+                name=name,
+                namespace=namespace,
+                serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            return await _body(resp, missing_ok=True)
+
+        return await self._call(request)
 
     async def list(
         self, kind: str, namespace: str | None = None, label_selector: str | None = None
     ) -> list[Json]:
         """Objects of ``kind`` in ``namespace`` (every namespace when None)."""
-        dyn, res = await self._resource(kind)
-        resp = await dyn.get(
-            res, namespace=namespace, label_selector=label_selector, serialize=False
-        )
-        body = await _body(resp)
-        items: list[Json] = (body or {}).get("items") or []
+        items, _ = await self.list_versioned(kind, namespace, label_selector)
         return items
+
+    async def list_versioned(
+        self, kind: str, namespace: str | None = None, label_selector: str | None = None
+    ) -> tuple[builtins.list[Json], str]:
+        """Objects of ``kind`` and the list's resourceVersion (where a watch resumes)."""
+        dyn, res = await self._resource(kind)
+
+        async def request() -> Json:
+            resp = await dyn.get(
+                res,
+                namespace=namespace,
+                label_selector=label_selector,
+                serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            return await _body(resp) or {}
+
+        body = await self._call(request)
+        items: list[Json] = body.get("items") or []
+        return items, str((body.get("metadata") or {}).get("resourceVersion", ""))
+
+    async def watch(
+        self,
+        kind: str,
+        namespace: str | None,
+        resource_version: str,
+        *,
+        label_selector: str | None = None,
+        timeout_s: float = 300.0,
+    ) -> AsyncIterator[tuple[str, Json]]:
+        """(type, object) events after ``resource_version`` until the server ends the
+        watch (after ``timeout_s``); bookmarks come as ``("BOOKMARK", object)`` so the
+        caller can resume from them. Raises :class:`KubeAPIError` 410 when the version
+        has expired (the caller lists again)."""
+        dyn, res = await self._resource(kind)
+        params: list[tuple[str, str]] = [
+            ("watch", "true"),
+            ("allowWatchBookmarks", "true"),
+            ("resourceVersion", resource_version),
+            ("timeoutSeconds", str(int(timeout_s))),
+        ]
+        if label_selector:
+            params.append(("labelSelector", label_selector))
+        self.watches += 1
+        resp = await dyn.request(
+            "GET",
+            res.path(namespace=namespace),
+            query_params=params,
+            serialize=False,
+            _request_timeout=timeout_s + REQUEST_TIMEOUT_S,
+        )
+        try:
+            status = int(resp.status)
+            if not 200 <= status < 300:
+                raise KubeAPIError(status, await resp.text())
+            while True:
+                line = await resp.content.readline()
+                if not line:
+                    return
+                event = json.loads(line)
+                if event.get("type") == "ERROR":
+                    err = event.get("object") or {}
+                    raise KubeAPIError(int(err.get("code", 500)), json.dumps(err))
+                yield str(event["type"]), event["object"]
+        finally:
+            resp.release()
 
     async def apply(self, obj: Json, manager: str) -> Json:
         """Server-side apply: the manager owns exactly the fields it sends."""
         dyn, res = await self._resource(obj["kind"])
         meta = obj["metadata"]
-        resp = await dyn.server_side_apply(
-            res,
-            body=obj,
-            name=meta["name"],
-            namespace=meta.get("namespace"),
-            field_manager=manager,
-            force_conflicts=True,
-            serialize=False,
-        )
-        return await _body(resp) or {}
+
+        async def request() -> Json:
+            resp = await dyn.server_side_apply(
+                res,
+                body=obj,
+                name=meta["name"],
+                namespace=meta.get("namespace"),
+                field_manager=manager,
+                force_conflicts=True,
+                serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            return await _body(resp) or {}
+
+        return await self._call(request, write=True)
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: Json) -> None:
         """Merge-patch the status subresource."""
         dyn, res = await self._resource(kind)
-        resp = await dyn.patch(
-            cast(Resource, res.status),  # the status subresource (attribute of the resource)
-            body={"metadata": {"name": name}, "status": status},
-            name=name,
-            namespace=namespace,
-            content_type="application/merge-patch+json",
-            serialize=False,
-        )
-        await _body(resp)
+
+        async def request() -> None:
+            resp = await dyn.patch(
+                cast(Resource, res.status),  # the status subresource (attribute of the resource)
+                body={"metadata": {"name": name}, "status": status},
+                name=name,
+                namespace=namespace,
+                content_type="application/merge-patch+json",
+                serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            await _body(resp)
+
+        await self._call(request, write=True)
 
     async def delete(self, kind: str, namespace: str, name: str) -> bool:
         dyn, res = await self._resource(kind)
-        resp = await dyn.delete(
-            res,
-            name=name,
-            namespace=namespace,
-            propagation_policy="Background",
-            serialize=False,
-        )
-        return await _body(resp, missing_ok=True) is not None
+
+        async def request() -> bool:
+            resp = await dyn.delete(
+                res,
+                name=name,
+                namespace=namespace,
+                propagation_policy="Background",
+                serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            return await _body(resp, missing_ok=True) is not None
+
+        return await self._call(request, write=True)
 
     async def close(self) -> None:
         await self.api.close()
@@ -154,11 +292,39 @@ class Kube:
 
 
 class KubeAPIError(Exception):
-    """The API server answered with an error status."""
+    """The API server answered with an error status; ``message`` is its Status
+    message (what a user should read), ``retry_after_s`` its Retry-After."""
 
-    def __init__(self, status: int, body: str) -> None:
-        super().__init__(f"HTTP {status}: {body[:500]}")
+    def __init__(self, status: int, body: str, retry_after_s: float = 0.0) -> None:
         self.status = status
+        self.message = _status_message(body)
+        self.retry_after_s = retry_after_s
+        super().__init__(f"HTTP {status}: {self.message}")
+
+
+def _status_message(body: str) -> str:
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body[:500]
+    message = parsed.get("message") if isinstance(parsed, dict) else None
+    return str(message)[:1000] if message else body[:500]
+
+
+def is_transient(exc: BaseException) -> bool:
+    """An error worth retrying as is: the server asked to come back (429), failed on
+    its side (5xx: a restarting API server, an unreachable webhook), or the
+    connection broke or timed out."""
+    status = api_error_status(exc)
+    if status is not None:
+        return status == 429 or status >= 500
+    return isinstance(
+        exc, aiohttp.ClientConnectionError | aiohttp.ClientPayloadError | TimeoutError
+    )
+
+
+def retry_after(exc: BaseException) -> float:
+    return exc.retry_after_s if isinstance(exc, KubeAPIError) else 0.0
 
 
 async def _body(resp: Any, missing_ok: bool = False) -> Json | None:
@@ -169,7 +335,11 @@ async def _body(resp: Any, missing_ok: bool = False) -> Json | None:
         resp.release()
         return None
     if not 200 <= status < 300:
-        raise KubeAPIError(status, await resp.text())
+        try:
+            wait = float(resp.headers.get("Retry-After", 0))
+        except ValueError:
+            wait = 0.0
+        raise KubeAPIError(status, await resp.text(), min(wait, 30.0))
     body: Json = await resp.json()
     return body
 

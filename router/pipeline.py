@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
+from kvplane.router import tracing
 from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
 from kvplane.router.config import BackendRole, RouterConfig
 from kvplane.router.cost import CostModel
@@ -24,9 +25,11 @@ from kvplane.router.policies.sticky import index_down
 from kvplane.router.pool import Pool
 from kvplane.router.request import ParsedRequest
 from kvplane.router.telemetry import RouterMetrics
+from kvplane.router.templates import UNTRUSTED_TEMPLATE, RequestTemplates, request_template
 from kvplane.router.tokens import CachedPrefix, ChatFormatError, PromptTokenizer, prompt_source
 
-# A new tail longer than this after a cached prefix (~0.7 ms of encoding) is encoded
+# A new tail longer than this after a cached prefix (a fraction of a millisecond of
+# encoding, on the request's path otherwise) is encoded
 # after forwarding when the caller allows it, if it is at most this share of the
 # prompt: text this router never saw may still be resident (another router replica
 # sent it), so the prefix decided on must be most of the prompt.
@@ -37,6 +40,14 @@ log = logging.getLogger("kvplane.router")
 
 
 Whole = tuple[Sequence[int], list[int]]  # a prompt's token ids and block keys
+
+
+class PromptTooLong(Exception):
+    """The prompt fills the model's context: ``tokens`` ids (or at least that many)."""
+
+    def __init__(self, tokens: int, exact: bool = True) -> None:
+        super().__init__(tokens)
+        self.tokens, self.exact = tokens, exact
 
 
 @dataclass(slots=True)
@@ -128,13 +139,32 @@ class RoutingPipeline:
         # id(ids of a cached prompt) -> opening special ids -> block keys; an entry goes
         # when the token cache lets go of those ids (weakref.finalize)
         self._source_keys: dict[int, dict[int, list[int]]] = {}
+        model = config.model
+        self.templates = (
+            RequestTemplates(model.tokenizer, model.request_template_timeout_s)
+            if model.trust_request_chat_template
+            else None
+        )
 
-    def _source(self, req: ParsedRequest) -> tuple[str | list[int], bool]:
-        """The text to encode (a chat rendered through its template) or given token ids."""
-        if req.kind == "chat":
-            assert req.messages is not None and req.chat is not None
-            return self.tokenizer.render_chat(req.messages, req.chat), req.chat.add_special_tokens
-        return prompt_source(req.prompt), req.add_special_tokens
+    def close(self) -> None:
+        if self.templates is not None:
+            self.templates.close()
+
+    async def _source(self, req: ParsedRequest) -> tuple[str | list[int], bool]:
+        """The text to encode (a chat rendered through its template) or given token ids.
+        The served template renders off the event loop unless the body is small; a
+        request's own template only where trusted, in a worker process, time-bounded."""
+        if req.kind != "chat":
+            return prompt_source(req.prompt), req.add_special_tokens
+        assert req.messages is not None and req.chat is not None
+        if request_template(req.chat) is None:
+            tok = self.tokenizer
+            text = await tok.call(req.size, tok.render_chat, req.messages, req.chat)
+        elif self.templates is None:
+            raise APIError(400, UNTRUSTED_TEMPLATE, param="chat_template")
+        else:
+            text = await self.templates.render(req.messages, req.chat)
+        return text, req.chat.add_special_tokens
 
     def _prefix_keys(self, prefix: CachedPrefix) -> list[int]:
         """Block keys of a cached prefix, sliced from those of the whole cached prompt it
@@ -177,6 +207,9 @@ class RoutingPipeline:
         before is in its cache, whole prompts included, so new text is resident nowhere
         it knows of), and the context check only an upper bound on the tail's ids."""
         tok = self.tokenizer
+        at_least = tok.min_ids(len(text))
+        if at_least >= self.config.model.max_model_len:  # refused before any encoding
+            raise PromptTooLong(at_least, exact=False)
         prefix = tok.cached_prefix(text, special)
         if prefix is None:
             tokens, keys = await tok.call(len(text), self._new_and_keys, text, special)
@@ -196,27 +229,33 @@ class RoutingPipeline:
     async def prompt(self, req: ParsedRequest, defer_tail: bool = False) -> Prompt:
         """The request's tokens and block keys; a prompt the model cannot take is a 400."""
         start = time.perf_counter()
+        param = "messages" if req.kind == "chat" else "prompt"
+        limit = self.config.model.max_model_len
         try:
-            source, special = self._source(req)
+            source, special = await self._source(req)
             if isinstance(source, list):
+                if len(source) >= limit:  # before hashing it into block keys
+                    raise PromptTooLong(len(source))
                 prompt = self._keys(source)
             else:
                 prompt = await self._encode(source, special, defer_tail)
+            # As vLLM: a prompt that leaves no room for one output token is a 400; a
+            # larger max_tokens is cut by the engine to what the context leaves, not
+            # refused. (A deferred tail is only taken when even its longest encoding fits.)
+            if prompt.n_tokens >= limit:
+                raise PromptTooLong(prompt.n_tokens)
         except ChatFormatError as exc:
-            param = "messages" if req.kind == "chat" else "prompt"
             raise APIError(400, str(exc), param=param) from exc
-        self._tokenize_seconds.observe(time.perf_counter() - start)
-        # As vLLM: a prompt that leaves no room for one output token is a 400; a larger
-        # max_tokens is cut by the engine to what the context leaves, not refused. (A
-        # deferred tail is only taken when even its longest encoding fits.)
-        limit = self.config.model.max_model_len
-        if prompt.n_tokens >= limit:
+        except PromptTooLong as exc:
+            at = "" if exc.exact else "at least "
             raise APIError(
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your request "
-                f"has {prompt.n_tokens} input tokens. Please reduce the length of the input.",
-                param="messages" if req.kind == "chat" else "prompt",
-            )
+                f"has {at}{exc.tokens} input tokens. Please reduce the length of the input.",
+                param=param,
+            ) from None
+        self._tokenize_seconds.observe(time.perf_counter() - start)
+        tracing.record("kvplane.tokenize", start)
         return prompt
 
     async def tokens_and_keys(self, req: ParsedRequest) -> tuple[list[int], list[int]]:
@@ -244,7 +283,12 @@ class RoutingPipeline:
                 f"'{self.config.model.name}' ({len(self.pool.states)} configured, none healthy)",
             )
         inp = RoutingInput(prompt.n_tokens, prompt.tokens, prompt.keys, self.pool.loads(pods))
-        decision, matches = await route(self.policy, self.index, inp, self._index_down)
+        with tracing.span("kvplane.choose"):
+            decision, matches = await route(self.policy, self.index, inp, self._index_down)
+            if tracing.on():
+                tracing.set_attributes(
+                    pod=decision.pod, reason=decision.reason, prompt_tokens=prompt.n_tokens
+                )
         terms = decision.terms.get(decision.pod)
         self.pool.note_routed(decision.pod, prompt.n_tokens - (terms.cached_tokens if terms else 0))
         return Routed(prompt, decision, matches)

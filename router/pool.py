@@ -11,13 +11,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
+from kvplane.router.backoff import Backoff
 from kvplane.router.config import Backend
 from kvplane.router.cost import PodLoad
 from kvplane.router.engine_stats import EngineStats, parse_metrics
+from kvplane.router.errors import describe
 from kvplane.router.load import LoadCounters
 
 log = logging.getLogger("kvplane.router.pool")
@@ -35,6 +37,18 @@ class BackendState(LoadCounters):
     stats: EngineStats = field(default_factory=EngineStats)
     unhealthy_since: float | None = None
     slow_scrapes: int = 0  # consecutive scrapes that timed out
+    # Demoted: out of rotation until then although /health answers (it stalled, answered
+    # 5xx or dropped requests other pods served); the scraper does not bring it back.
+    demoted_until: float = 0.0
+    demotions: Backoff | None = None  # while demotions repeat without a good answer
+
+    def routable(self, now: float) -> bool:
+        return self.healthy and self.demoted_until <= now
+
+    def answered(self) -> None:
+        """The pod answered a request (below 500): its next demotion starts short."""
+        if self.demotions is not None and self.demoted_until <= time.monotonic():
+            self.demotions = None
 
     def observe(self, stats: EngineStats) -> None:
         """A fresh scrape: remember what the router had pending at that instant, which
@@ -60,9 +74,11 @@ class BackendState(LoadCounters):
 class Pool:
     """Backends by name. Mutated only on the event loop."""
 
-    def __init__(self) -> None:
+    def __init__(self, demote_first_s: float = 2.0, demote_max_s: float = 60.0) -> None:
         self.states: dict[str, BackendState] = {}
         self.mean_request_tokens = 1024.0
+        self._demote_s = (demote_first_s, demote_max_s)
+        self.on_demote: Callable[[str], None] | None = None  # the demotions metric
 
     def set_backends(self, backends: Sequence[Backend]) -> tuple[list[str], list[str]]:
         """Replace the backend set; returns (added, removed) names."""
@@ -84,12 +100,30 @@ class Pool:
         return {n: states[n].load(mean, now) for n in names}
 
     def healthy(self) -> list[str]:
-        return [n for n, s in self.states.items() if s.healthy]
+        """Pods to route to: healthy and not demoted (all healthy ones if every one is
+        demoted: a pod on probation beats refusing every request)."""
+        now = time.monotonic()
+        up = [n for n, s in self.states.items() if s.healthy]
+        routable = [n for n in up if self.states[n].demoted_until <= now]
+        return routable or up
 
-    def mark_unhealthy(self, name: str) -> None:
+    def demote(self, name: str, why: str) -> None:
+        """Out of rotation for a back-off that doubles while it keeps failing."""
+        state = self.states.get(name)
+        if state is None:
+            return
+        if state.demotions is None:
+            state.demotions = Backoff(*self._demote_s)
+        delay = state.demotions.next()
+        state.demoted_until = time.monotonic() + delay
+        if self.on_demote is not None:
+            self.on_demote(name)
+        log.warning("backend %s out of rotation for %.1f s: %s", name, delay, why)
+
+    def mark_unhealthy(self, name: str, why: str) -> None:
         state = self.states.get(name)
         if state is not None and state.healthy:
-            log.warning("backend %s marked unhealthy", name)
+            log.warning("backend %s marked unhealthy: %s", name, why)
             state.healthy = False
             state.unhealthy_since = time.monotonic()
 
@@ -125,17 +159,20 @@ class Scraper:
         # /health or SLOW_SCRAPES_UNHEALTHY slow scrapes in a row take it out of rotation.
         timeout = max(2.0, 2 * self._interval)
         slow = False
+        why = ""
         try:
             health = await self._client.get(f"{url}/health", timeout=timeout)
             ok = health.status_code == 200
+            why = f"/health answered {health.status_code}"
             metrics = await self._client.get(f"{url}/metrics", timeout=timeout) if ok else None
         except httpx.TimeoutException:
             ok, metrics, slow = True, None, True
-        except httpx.HTTPError:
-            ok, metrics = False, None
+        except httpx.HTTPError as exc:
+            ok, metrics, why = False, None, f"/health failed: {describe(exc)}"
         if slow:
             state.slow_scrapes += 1
             ok = state.slow_scrapes < SLOW_SCRAPES_UNHEALTHY and state.healthy
+            why = f"{state.slow_scrapes} scrapes in a row took over {timeout:g} s"
         else:
             state.slow_scrapes = 0
         if ok and metrics is not None and metrics.status_code == 200:
@@ -144,7 +181,7 @@ class Scraper:
             log.info("backend %s healthy again", name)
             state.healthy, state.unhealthy_since = True, None
         elif not ok:
-            self._pool.mark_unhealthy(name)
+            self._pool.mark_unhealthy(name, why)
 
     async def _run(self) -> None:
         while True:

@@ -29,6 +29,7 @@ class ParsedRequest:
     messages: list[Any] | None = None
     chat: ChatOptions | None = None
     add_special_tokens: bool = True
+    size: int = 0  # body bytes: what rendering and encoding it may cost
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:
@@ -58,6 +59,10 @@ def _parse(raw: bytes, kind: str | None) -> ParsedRequest:
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise APIError(400, f"malformed JSON body: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {exc.start})") from None
+    except RecursionError:
+        raise APIError(400, "malformed JSON body: nested too deeply") from None
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")
     if kind is None:
@@ -95,7 +100,9 @@ def _parse(raw: bytes, kind: str | None) -> ParsedRequest:
             raise APIError(
                 400, "'add_generation_prompt' and 'continue_final_message' cannot both be true"
             )
-        return ParsedRequest(kind, body, model, stream, max_tokens, messages=messages, chat=opts)
+        return ParsedRequest(
+            kind, body, model, stream, max_tokens, messages=messages, chat=opts, size=len(raw)
+        )
     prompt = body.get("prompt")
     if prompt is None:
         raise APIError(400, "missing required field 'prompt'", param="prompt")
@@ -109,4 +116,5 @@ def _parse(raw: bytes, kind: str | None) -> ParsedRequest:
         max_tokens,
         prompt=prompt,
         add_special_tokens=opt_bool(body, "add_special_tokens", True),
+        size=len(raw),
     )

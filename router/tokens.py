@@ -27,8 +27,8 @@ from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 T = TypeVar("T")
-# Encoding at most this many characters (about 1000 tokens, 1-3 ms with a regex
-# pre-tokenizer) is done on the event loop; longer texts go to the tokenizer's threads.
+# Encoding at most this many characters (about 1000 tokens) is done on the event loop,
+# which costs less than a thread hop; longer texts go to the tokenizer's threads.
 INLINE_CHARS: Final = 4096
 
 
@@ -80,19 +80,62 @@ def normalise_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
     return out
 
 
+MAX_TOKEN_ID: Final = 2**32 - 1  # ids are hashed as uint32 (blockkeys.py)
+
+
+def _token_ids(ids: list[Any]) -> list[int]:
+    if not ids or not all(type(t) is int for t in ids):
+        raise ChatFormatError("'prompt' must be a string, a list of strings or token ids")
+    low, high = min(ids), max(ids)
+    # vLLM's words; ids past the tokenizer's vocabulary but below 2**32 are left to the
+    # engine, which knows the model's (possibly larger) vocabulary
+    if low < 0:
+        raise ChatFormatError(f"Token id {low} is out of vocabulary")
+    if high > MAX_TOKEN_ID:
+        raise ChatFormatError(f"Token id {high} is out of vocabulary")
+    return ids
+
+
 def prompt_source(prompt: Any) -> str | list[int]:
     """A completion ``prompt`` as text or token ids; a batch is routed by its first item."""
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
-        if isinstance(first, int) and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt]
         if isinstance(first, str):
             return first
-        if isinstance(first, list) and all(isinstance(t, int) for t in first):
-            return [int(t) for t in first]
+        if isinstance(first, list):
+            return _token_ids(first)
+        return _token_ids(prompt)
     raise ChatFormatError("'prompt' must be a string, a list of strings or token ids")
+
+
+def render_chat(
+    hf: PreTrainedTokenizerBase, messages: Sequence[Any], opts: ChatOptions, default: str | None
+) -> str:
+    """The prompt text of a chat as vLLM renders it; ``default``: the served template
+    (None: the tokenizer's). A template in ``chat_template_kwargs`` wins, as in vLLM."""
+    msgs = normalise_messages(messages)
+    kwargs: dict[str, Any] = dict(opts.chat_template_kwargs)
+    template = kwargs.pop("chat_template", None) or opts.chat_template or default
+    try:
+        rendered = hf.apply_chat_template(
+            msgs,
+            tools=opts.tools,
+            documents=opts.documents,
+            chat_template=template,
+            add_generation_prompt=opts.add_generation_prompt,
+            continue_final_message=opts.continue_final_message,
+            tokenize=False,
+            **kwargs,
+        )
+    except ChatFormatError:
+        raise
+    except Exception as exc:  # jinja errors, raise_exception() in templates, bad kwargs
+        raise ChatFormatError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(rendered, str):
+        raise ChatFormatError("chat template did not render to text")
+    return rendered
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,13 +165,22 @@ class PromptTokenizer:
         chat_template: str | None = None,
         reuse_max_tokens: int = 4_000_000,
         threads: int = 2,
+        max_prompt_ids: int | None = None,
     ) -> None:
         self.hf: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
         self._rust: Tokenizer = self.hf.backend_tokenizer
         self._chat_template = chat_template
+        # prompts with this many ids or more are refused: never cached
+        self.max_prompt_ids = max_prompt_ids
         added = [t.content for t in self._rust.get_added_tokens_decoder().values()]
         max_added = max((len(t) for t in added), default=0)
-        self.reuse_enabled = reuse_max_tokens > 0 and reuse_is_exact(self._rust.to_str())
+        exact = reuse_is_exact(self._rust.to_str())
+        self.reuse_enabled = reuse_max_tokens > 0 and exact
+        # Where text is not normalised before byte-level BPE, one id covers at most the
+        # longest vocabulary entry's characters (one per byte) or the longest added token,
+        # so a text of N characters has at least N / that many ids (0: no such bound).
+        longest = max((len(t) for t in self._rust.get_vocab(with_added_tokens=False)), default=0)
+        self.max_chars_per_id = max(longest, max_added) if exact else 0
         self._cache = PrefixTokenCache(reuse_max_tokens, max_added)
         self._specials = self._special_affixes()
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tokenize")
@@ -145,6 +197,13 @@ class PromptTokenizer:
     @property
     def reuse_stats(self) -> tuple[int, int]:
         return self._cache.hits, self._cache.misses
+
+    def min_ids(self, chars: int) -> int:
+        """A lower bound on the ids of any text of ``chars`` characters (0 if unknown)."""
+        return -(-chars // self.max_chars_per_id) if self.max_chars_per_id else 0
+
+    def _cacheable(self, n_ids: int) -> bool:
+        return self.max_prompt_ids is None or n_ids < self.max_prompt_ids
 
     # -- encoding ---------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -187,13 +246,14 @@ class PromptTokenizer:
         enc = self._rust.encode_batch([prefix.tail], add_special_tokens=False)[0]
         tail = enc.ids
         body = prefix.ids[prefix.opening :]
-        self._cache.add(
-            prefix.hashes,
-            enc,
-            body + array("I", tail),
-            prefix.cut + len(prefix.tail),
-            (len(body), prefix.cut),
-        )
+        if self._cacheable(len(prefix.ids) + len(tail) + len(prefix.closing)):
+            self._cache.add(
+                prefix.hashes,
+                enc,
+                body + array("I", tail),
+                prefix.cut + len(prefix.tail),
+                (len(body), prefix.cut),
+            )
         return [*prefix.ids.tolist(), *tail, *prefix.closing]
 
     def encode_new(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -203,11 +263,11 @@ class PromptTokenizer:
             return list(enc.ids)
         enc = self._rust.encode_batch([text], add_special_tokens=False)[0]
         ids = enc.ids
-        hashes = chunk_hashes(text)
+        head, closing = self._specials if add_special_tokens and self._specials else ([], [])
+        hashes = chunk_hashes(text) if self._cacheable(len(head) + len(ids) + len(closing)) else []
         if hashes:
             self._cache.add(hashes, enc, array("I", ids), len(text))
-        if add_special_tokens and self._specials is not None:
-            head, closing = self._specials
+        if head or closing:
             return [*head, *ids, *closing]
         return list(ids)
 
@@ -231,27 +291,7 @@ class PromptTokenizer:
         return await self.call(len(text), self.encode_new, text, add_special_tokens)
 
     def render_chat(self, messages: Sequence[Any], opts: ChatOptions) -> str:
-        msgs = normalise_messages(messages)
-        kwargs: dict[str, Any] = dict(opts.chat_template_kwargs)
-        template = opts.chat_template or self._chat_template
-        try:
-            rendered = self.hf.apply_chat_template(
-                msgs,
-                tools=opts.tools,
-                documents=opts.documents,
-                chat_template=template,
-                add_generation_prompt=opts.add_generation_prompt,
-                continue_final_message=opts.continue_final_message,
-                tokenize=False,
-                **kwargs,
-            )
-        except ChatFormatError:
-            raise
-        except Exception as exc:  # jinja errors, raise_exception() in templates
-            raise ChatFormatError(f"chat template failed: {exc}") from exc
-        if not isinstance(rendered, str):
-            raise ChatFormatError("chat template did not render to text")
-        return rendered
+        return render_chat(self.hf, messages, opts, self._chat_template)
 
     def encode_chat(self, messages: Sequence[Any], opts: ChatOptions) -> list[int]:
         return self.encode(self.render_chat(messages, opts), opts.add_special_tokens)

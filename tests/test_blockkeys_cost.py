@@ -31,6 +31,9 @@ def test_generations_never_share_keys() -> None:
     assert not set(block_keys(toks, 16, ROOT)) & set(block_keys(toks, 16, generation_root("b")))
     assert generation_tag("m", "r1", "t", 16) != generation_tag("m", "r2", "t", 16)
     assert generation_tag("m", "r", "t", 16) != generation_tag("m", "r", "t", 32)
+    assert generation_tag("m", "r", "t", 16, pool="a/x") != generation_tag(
+        "m", "r", "t", 16, pool="b/x"
+    )
 
 
 def test_chaining_from_a_parent_continues_the_chain() -> None:

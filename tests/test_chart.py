@@ -8,6 +8,7 @@ into the local control plane (docs/k8s-test-env.md).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -30,6 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "kvplane"
 CRDS = REPO / "crds"
 CONFIG = REPO / "config"
+SGLANG_METRICS = Path(__file__).parent / "data" / "sglang-metrics.txt"
 VLLM_METRICS = Path(__file__).parent / "data" / "vllm-0.32-metrics.txt"
 MODEL = {"servedName": "llama", "source": "meta-llama/Llama-3.1-8B", "kvBytesPerToken": 131072}
 RELEASE = "kvp"
@@ -239,6 +241,7 @@ def test_operator_deployment_is_hardened(render: Render) -> None:
     assert env_of(c) == {
         "KVPLANE_IMAGE": "ghcr.io/kvplane/kvplane:0.1.0",
         "KVPLANE_RESYNC_SECONDS": "30",
+        "KVPLANE_DISCOVERY_CLUSTERROLE": DISCOVERY,
         "KVPLANE_WATCH_NAMESPACES": "",
         "PYTHONDONTWRITEBYTECODE": "1",
     }
@@ -319,55 +322,76 @@ def test_replicas_enable_kopf_peering(render: Render, watch: list[str]) -> None:
 # --- RBAC ------------------------------------------------------------------------------------
 
 
-Rule = tuple[str, str, str]  # (apiGroup, resource, verb)
+Rule = tuple[str, str, str]  # (apiGroup, resource, verb); "resource:name" when named
 
 
 def expand(rules: list[Json]) -> set[Rule]:
     out = set()
     for r in rules:
-        assert set(r) <= {"apiGroups", "resources", "verbs"}, r  # no resourceNames, URLs
+        assert set(r) <= {"apiGroups", "resources", "verbs", "resourceNames"}, r  # no URLs
+        names = r.get("resourceNames")
+        assert names is None or r["verbs"] == ["bind"], "only bind is limited by name"
         for g in r["apiGroups"]:
             for res in r["resources"]:
                 for v in r["verbs"]:
-                    out.add((g, res, v))
+                    for name in names or [None]:
+                        out.add((g, f"{res}:{name}" if name else res, v))
     return out
+
+
+DISCOVERY = f"kvplane-system-{RELEASE}-kvplane-discovery"
+
+
+def operator_roles(objs: list[Json]) -> list[Json]:
+    """The operator's (Cluster)Roles: all but the discovery ClusterRole it binds."""
+    return [
+        o
+        for o in find(objs, "ClusterRole") + find(objs, "Role")
+        if not o["metadata"]["name"].endswith("-discovery")
+    ]
 
 
 def all_rules(objs: list[Json]) -> set[Rule]:
     rules: set[Rule] = set()
-    for o in find(objs, "ClusterRole") + find(objs, "Role"):
+    for o in operator_roles(objs):
         rules |= expand(o["rules"])
     return rules
 
 
-# What the operator does, from the code (reconcile.py, handlers.py, router/kube.py) and
-# kopf. The RBAC test below proves it is enough; this list proves it is no more.
-OWNED = ("services", "configmaps", "serviceaccounts")
-NAMESPACED_RULES: set[Rule] = (
-    {("kvplane.io", "inferencepools", v) for v in ("get", "list", "watch", "patch")}
-    | {
-        ("kvplane.io", r, v)
-        for r in ("prefillpools", "decodepools", "kvcachetiers")
-        for v in ("get", "list", "watch")
-    }
-    | {
-        ("kvplane.io", f"{r}/status", "patch")
-        for r in ("inferencepools", "prefillpools", "decodepools")
-    }
-    | {("apps", "deployments", v) for v in ("get", "list", "watch", "create", "patch", "delete")}
-    | {("", r, v) for r in OWNED for v in ("list", "create", "patch", "delete")}
-    | {
-        ("rbac.authorization.k8s.io", r, v)
-        for r in ("roles", "rolebindings")
-        for v in ("list", "create", "patch", "delete")
-    }
-    | {
-        ("autoscaling", "horizontalpodautoscalers", v)
-        for v in ("list", "create", "patch", "delete")
-    }
-    | {("", "pods", v) for v in ("get", "list", "watch")}
-    | {("", "secrets", "get"), ("", "events", "create")}
-)
+# What the operator does, from the code (controller.py, informer.py, reconcile.py,
+# handlers.py, router/kube.py) and kopf. The RBAC tests below prove it is enough; this
+# list proves it is no more.
+RENDERED = {
+    ("apps", "deployments"),
+    ("", "services"),
+    ("", "configmaps"),
+    ("", "serviceaccounts"),
+    ("autoscaling", "horizontalpodautoscalers"),
+    ("networking.k8s.io", "networkpolicies"),
+    ("rbac.authorization.k8s.io", "rolebindings"),
+}
+
+
+def namespaced_rules(discovery: str = DISCOVERY) -> set[Rule]:
+    return (
+        {("kvplane.io", "inferencepools", v) for v in ("get", "list", "watch", "patch")}
+        | {
+            ("kvplane.io", r, v)
+            for r in ("prefillpools", "decodepools", "kvcachetiers")
+            for v in ("list", "watch")
+        }
+        | {("kvplane.io", r, "patch") for r in ("prefillpools", "decodepools")}  # the planner
+        | {
+            ("kvplane.io", f"{r}/status", "patch")
+            for r in ("inferencepools", "prefillpools", "decodepools", "kvcachetiers")
+        }
+        | {(g, r, v) for g, r in RENDERED for v in ("list", "watch", "create", "patch", "delete")}
+        | {("rbac.authorization.k8s.io", f"clusterroles:{discovery}", "bind")}
+        | {("", "events", "create")}
+    )
+
+
+SECRETS: set[Rule] = {("", "secrets", "get")}
 KOPF_CLUSTER_RULES: set[Rule] = {
     ("apiextensions.k8s.io", "customresourcedefinitions", "list"),
     ("apiextensions.k8s.io", "customresourcedefinitions", "watch"),
@@ -375,10 +399,11 @@ KOPF_CLUSTER_RULES: set[Rule] = {
 
 
 def test_cluster_wide_rbac_is_exactly_what_the_operator_needs(render: Render) -> None:
+    """No Secret, no Role, no pods: the operator binds one ClusterRole for discovery."""
     objs = render()
-    role = one(objs, "ClusterRole")
+    (role,) = operator_roles(objs)
     assert not find(objs, "Role") and not find(objs, "RoleBinding")
-    assert expand(role["rules"]) == NAMESPACED_RULES | KOPF_CLUSTER_RULES
+    assert expand(role["rules"]) == namespaced_rules() | KOPF_CLUSTER_RULES
     binding = one(objs, "ClusterRoleBinding")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     sa = one(objs, "ServiceAccount")["metadata"]
@@ -387,11 +412,18 @@ def test_cluster_wide_rbac_is_exactly_what_the_operator_needs(render: Render) ->
     ]
     # cluster-scoped names carry the release namespace: two releases never collide
     assert role["metadata"]["name"] == f"kvplane-system-{RELEASE}-kvplane"
+    discovery = one(objs, "ClusterRole", DISCOVERY)
+    assert expand(discovery["rules"]) == {("", "pods", v) for v in ("get", "list", "watch")}
+    (c,) = one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert env_of(c)["KVPLANE_DISCOVERY_CLUSTERROLE"] == DISCOVERY
+    opted_in = render(**{"rbac.readSecrets": "true"})
+    assert all_rules(opted_in) == namespaced_rules() | KOPF_CLUSTER_RULES | SECRETS
 
 
 def test_namespaced_rbac_is_a_role_per_watched_namespace(render: Render) -> None:
+    """The namespaced mode: Secrets are readable, in the watched namespaces only."""
     objs = render(watchNamespaces="{team-a,team-b}")
-    cluster = one(objs, "ClusterRole")
+    (cluster,) = [o for o in operator_roles(objs) if o["kind"] == "ClusterRole"]
     assert expand(cluster["rules"]) == KOPF_CLUSTER_RULES | {
         ("", "namespaces", "list"),
         ("", "namespaces", "watch"),
@@ -399,7 +431,7 @@ def test_namespaced_rbac_is_a_role_per_watched_namespace(render: Render) -> None
     roles = find(objs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
-        assert expand(role["rules"]) == NAMESPACED_RULES
+        assert expand(role["rules"]) == namespaced_rules() | SECRETS
     bindings = find(objs, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
     for b in bindings:
@@ -452,7 +484,7 @@ def dashboard_files() -> dict[str, Json]:
 
 def test_dashboards_are_configmaps_for_the_grafana_sidecar(render: Render) -> None:
     boards = dashboard_files()
-    assert set(boards) == {"router", "engines"}
+    assert set(boards) == {"router", "engines", "engines-sglang", "pd", "tiers"}
     cms = {c["metadata"]["name"]: c for c in find(render(), "ConfigMap")}
     assert set(cms) == {f"{RELEASE}-kvplane-dashboard-{n}" for n in boards}
     for name, board in boards.items():
@@ -511,8 +543,9 @@ def test_promql_metric_extraction() -> None:
 
 
 def known_metrics() -> set[str]:
-    """Every series name kvplane and vLLM 0.32 export."""
-    from kvplane.router.telemetry import RouterMetrics
+    """Every series name kvplane, vLLM 0.32 and SGLang export."""
+    from kvplane.router.telemetry import RouterMetrics, indexer_blocks
+    from prometheus_client import CollectorRegistry
 
     suffixes = {
         "counter": ("_total", "_created"),
@@ -520,14 +553,18 @@ def known_metrics() -> set[str]:
         "gauge": ("",),
     }
     names: set[str] = set()
-    for family in RouterMetrics("p", "m").registry.collect():
-        names |= {family.name + s for s in suffixes[family.type]}
+    indexer_registry = CollectorRegistry()
+    indexer_blocks(indexer_registry)
+    for registry in (RouterMetrics("p", "m").registry, indexer_registry):
+        for family in registry.collect():
+            names |= {family.name + s for s in suffixes[family.type]}
     indexer = (REPO / "router" / "indexer_main.py").read_text()
     for name in re.findall(r'CounterMetricFamily\(\s*"(kvplane_\w+)"', indexer):
         names.add(name + "_total")
-    for line in VLLM_METRICS.read_text().splitlines():
-        if line and not line.startswith("#"):
-            names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
+    for page in (VLLM_METRICS, SGLANG_METRICS):
+        for line in page.read_text().splitlines():
+            if line and not line.startswith("#"):
+                names.add(re.split(r"[{ ]", line, maxsplit=1)[0])
     return names
 
 
@@ -579,10 +616,65 @@ def test_dashboards_show_what_operators_need() -> None:
         r"rate\(vllm:prefix_cache_hits_total[^/]*/ *sum\(rate\(vllm:prefix_cache_queries_total",
         engines,
     ), "prefix cache hit rate = hits / queries"
+    sglang = " ".join(exprs(boards["engines-sglang"]))
+    for needed in ("sglang:num_queue_reqs", "sglang:token_usage", "sglang:cached_tokens_total"):
+        assert needed in sglang, needed
+    assert "vllm:" not in sglang
+    pd = " ".join(exprs(boards["pd"]))
+    for needed in (
+        "kvplane_router_pd_decisions_total",
+        "kvplane_router_pd_pairs_total",
+        "kvplane_router_pd_predicted_transfer_bytes_total",
+        "kvplane_router_pd_predicted_transfer_seconds_bucket",
+        "kvplane_router_pd_leg_failures_total",
+    ):
+        assert needed in pd, needed
+    tiers = " ".join(exprs(boards["tiers"]))
+    for needed in (
+        "kvplane_router_tier_hit_tokens_total",
+        "kvplane_router_tier_loads_total",
+        "kvplane_router_tier_load_seconds_bucket",
+        'kvplane_indexer_blocks_total{event="removed"}',
+    ):
+        assert needed in tiers, needed
+    assert "kvplane_router_predicted_ttft_seconds_bucket" in router
     for board in boards.values():
         for panel in board["panels"]:
             for target in panel.get("targets", []):
                 assert target["datasource"]["uid"] == "${datasource}"
+
+
+@pytest.mark.parametrize("watch", [[], ["team-a", "team-b"]])
+def test_pod_monitors_scrape_what_the_dashboards_group_by(render: Render, watch: list[str]) -> None:
+    """Off by default; on, one PodMonitor per component of the pools the operator renders,
+    with the routers' own pod label (the backend) honoured."""
+    assert not find(render(), "PodMonitor")
+    values = {
+        "monitoring.podMonitors.enabled": "true",
+        "monitoring.podMonitors.labels.release": "kps",
+    }
+    if watch:
+        values["watchNamespaces"] = "{" + ",".join(watch) + "}"
+    monitors = {m["metadata"]["name"]: m for m in find(render(**values), "PodMonitor")}
+    assert set(monitors) == {f"{RELEASE}-kvplane-{c}" for c in ("engines", "routers", "indexers")}
+    from kvplane.operator.render import names
+
+    for component, roles, port, honor in (
+        ("engines", ["prefill", "decode"], names.PORT_HTTP, False),
+        ("routers", ["router"], names.PORT_HTTP, True),
+        ("indexers", ["indexer"], names.PORT_METRICS, False),
+    ):
+        m = monitors[f"{RELEASE}-kvplane-{component}"]
+        assert m["apiVersion"] == "monitoring.coreos.com/v1"
+        assert m["metadata"]["labels"]["release"] == "kps"
+        spec = m["spec"]
+        assert spec["namespaceSelector"] == ({"matchNames": watch} if watch else {"any": True})
+        exprs_ = {e["key"]: e["values"] for e in spec["selector"]["matchExpressions"]}
+        assert exprs_[names.LABEL_ROLE] == roles
+        assert exprs_[names.APP_PART_OF] == [names.PART_OF]
+        (endpoint,) = spec["podMetricsEndpoints"]
+        assert endpoint["port"] == port and endpoint["path"] == "/metrics"
+        assert endpoint["honorLabels"] is honor
 
 
 # --- kustomize ------------------------------------------------------------------------------------
@@ -597,13 +689,16 @@ def kustomized(tool: Tool) -> list[Json]:
 def test_kustomize_default_builds(kustomized: list[Json], tool: Tool) -> None:
     kinds = sorted(o["kind"] for o in kustomized)
     assert kinds == sorted(
-        ["Namespace", "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment"]
+        ["Namespace", "ServiceAccount", "ClusterRoleBinding", "Deployment"]
+        + ["ClusterRole"] * 2  # the operator's, and the discovery role it binds
         + ["CustomResourceDefinition"] * 4
     )
     for o in kustomized:
         if o["kind"] in ("ServiceAccount", "Deployment"):
             assert o["metadata"]["namespace"] == "kvplane-system"
     binding = one(kustomized, "ClusterRoleBinding")
+    discovery = one(kustomized, "ClusterRole", "kvplane-discovery")
+    assert expand(discovery["rules"]) == {("", "pods", v) for v in ("get", "list", "watch")}
     sa = one(kustomized, "ServiceAccount")
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "kvplane-system"}
@@ -620,18 +715,21 @@ def test_kustomize_default_builds(kustomized: list[Json], tool: Tool) -> None:
 
 
 def test_kustomize_rbac_equals_the_chart(kustomized: list[Json], render: Render) -> None:
+    """The same rules; each names its own discovery ClusterRole."""
     chart = render()
-    assert expand(one(kustomized, "ClusterRole")["rules"]) == expand(
-        one(chart, "ClusterRole")["rules"]
-    )
+    assert all_rules(kustomized) == namespaced_rules("kvplane-discovery") | KOPF_CLUSTER_RULES
+    assert all_rules(chart) == namespaced_rules(DISCOVERY) | KOPF_CLUSTER_RULES
 
 
 def test_kustomize_manager_is_the_chart_operator(kustomized: list[Json], render: Render) -> None:
-    """Same pod spec as the chart's default render, apart from the ServiceAccount's name."""
+    """Same pod spec as the chart's default render, apart from the names of the
+    ServiceAccount and of the discovery ClusterRole."""
     ours = one(kustomized, "Deployment")["spec"]
     chart = one(render(), "Deployment")["spec"]
     for spec in (ours, chart):
         spec["template"]["spec"].pop("serviceAccountName")
+        (c,) = spec["template"]["spec"]["containers"]
+        c["env"] = [e for e in c["env"] if e["name"] != "KVPLANE_DISCOVERY_CLUSTERROLE"]
         spec.pop("selector")
         spec["template"]["metadata"].pop("labels")
     assert ours == chart
@@ -904,8 +1002,9 @@ def exercise_operator(c: K8sCluster, ns: str, redis: tuple[str, str]) -> None:
     pool = get(c, ns, "inferencepool", "llama")
     assert pool is not None
     assert pool["status"]["routerEndpoint"] == f"http://llama-router.{ns}.svc:8000"
-    role = c.kubectl_json("get", "role", "llama-router", "-n", ns)
-    assert role["rules"][0]["resources"] == ["pods"]
+    binding = c.kubectl_json("get", "rolebinding", "llama-router", "-n", ns)
+    assert binding["roleRef"]["kind"] == "ClusterRole"
+    assert binding["roleRef"]["name"].endswith("-discovery")
     decode = get(c, ns, "decodepool", "main")
     assert decode is not None and decode["status"]["readyReplicas"] == 1
     assert get(c, ns, "horizontalpodautoscaler", "llama-decode-main") is not None
@@ -933,13 +1032,38 @@ def denials(runner: KopfRunner) -> list[str]:
     return [line[:400] for line in runner.output.splitlines() if FORBIDDEN.search(line)]
 
 
+@contextlib.contextmanager
+def operator_env(c: K8sCluster, kubeconfig: Path) -> Iterator[None]:
+    """The installed operator's KVPLANE_* environment (the chart's settings, such as
+    its discovery ClusterRole), for the operator running in this process."""
+    ns = yaml.safe_load(kubeconfig.read_text())["contexts"][0]["context"]["namespace"]
+    dep = c.kubectl_json("get", "deployment", f"{RELEASE}-kvplane", "-n", ns)
+    (container,) = dep["spec"]["template"]["spec"]["containers"]
+    env = {k: v for k, v in env_of(container).items() if k.startswith("KVPLANE_")}
+    env.pop("KVPLANE_PEERING", None)  # kopf's arguments say it
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_operator(
     c: K8sCluster, kubeconfig: Path, args: list[str], scenario: Callable[[], None]
 ) -> KopfRunner:
     """Run the scenario against an in-process operator; a failure names the requests
     RBAC denied (the output is only readable once the operator has stopped)."""
     failure: K8sError | None = None
-    with c.activated(kubeconfig), KopfRunner(args, timeout=300) as runner:
+    with (
+        c.activated(kubeconfig),
+        operator_env(c, kubeconfig),
+        KopfRunner(args, timeout=300) as runner,
+    ):
         try:
             scenario()
         except K8sError as exc:
@@ -1004,13 +1128,16 @@ def test_operator_works_with_only_the_namespaced_chart_rbac(
 def test_operator_works_with_only_the_cluster_wide_chart_rbac(
     k8s_cluster: K8sCluster, k8s_namespace: str, password_redis: tuple[str, str]
 ) -> None:
+    """Cluster-wide mode, with Secret reads for the external index's password."""
     c, ns = k8s_cluster, k8s_namespace
-    helm_install(c, ns)
+    helm_install(c, ns, "--set", "rbac.readSecrets=true")
     kubeconfig = c.service_account_kubeconfig(ns, f"{RELEASE}-kvplane")
     try:
         assert can_i(c, kubeconfig, "list", "inferencepools", "-A")
         assert not can_i(c, kubeconfig, "create", "pods", "-n", ns)
         assert not can_i(c, kubeconfig, "list", "nodes")
+        assert not can_i(c, kubeconfig, "create", "roles", "-n", ns)
+        assert not can_i(c, kubeconfig, "bind", "clusterroles/cluster-admin")
         args = ["run", "--all-namespaces", "--standalone", "--verbose"]
         args += ["-m", "kvplane.operator.handlers"]
         runner = run_operator(c, kubeconfig, args, lambda: exercise_operator(c, ns, password_redis))

@@ -67,6 +67,19 @@ def test_valid_objects_get_server_side_defaults(crds: K8sCluster, k8s_namespace:
     assert "llama" in listed and "dram" in listed, "short category `kvplane` lists them all"
 
 
+def test_long_names_and_tensor_parallel_pools_are_accepted(
+    crds: K8sCluster, k8s_namespace: str
+) -> None:
+    """Names longer than a label (the operator hashes them) and gpusPerReplica equal to
+    the tensor parallel size are valid."""
+    long_name = "a" + "-long-pool-name" * 5  # 76 characters
+    ok, err = create(crds, k8s_namespace, obj("InferencePool", long_name, {"model": MODEL}))
+    assert ok, err
+    tp4 = {"poolRef": {"name": long_name}, "gpusPerReplica": 4, "tensorParallelSize": 4}
+    ok, err = create(crds, k8s_namespace, obj("DecodePool", "tp4", tp4))
+    assert ok, err
+
+
 @pytest.mark.parametrize(
     ("manifest", "message"),
     [
@@ -115,9 +128,21 @@ def test_valid_objects_get_server_side_defaults(crds: K8sCluster, k8s_namespace:
             obj(
                 "PrefillPool",
                 "i",
-                {"poolRef": {"name": "x"}, "gpusPerReplica": 3, "tensorParallelSize": 2},
+                {"poolRef": {"name": "x"}, "gpusPerReplica": 4, "tensorParallelSize": 2},
             ),
-            "gpusPerReplica must be a multiple of tensorParallelSize",
+            "gpusPerReplica must equal tensorParallelSize",
+        ),
+        (
+            obj("DecodePool", "i2", {"poolRef": {"name": "x"}, "gpusPerReplica": 8}),
+            "gpusPerReplica must equal tensorParallelSize",
+        ),
+        (
+            obj("InferencePool", "1llama", {"model": MODEL}),
+            "an InferencePool name must start with a letter",
+        ),
+        (
+            obj("InferencePool", "llama.v2", {"model": MODEL}),
+            "an InferencePool name must start with a letter",
         ),
         (
             obj(

@@ -75,6 +75,7 @@ def config(tok: Path, engines: list[FakeEngine], limit: int = LIMIT) -> RouterCo
                 "max_model_len": limit,
             },
             "backends": [{"name": e.name, "url": e.url} for e in engines],
+            "auth": {"open_admin": True},  # loopback: explain, every header
             "scrape_interval_s": 0.2,
             "cost": {"tentative_ttl_s": 60},
         }

@@ -18,10 +18,11 @@ from kvplane.router.config import RouterConfig
 from kvplane.router.forwarder import (
     HIGH_WATER,
     BackendUnavailable,
+    Cause,
     Forwarder,
     ResponseBroken,
 )
-from kvplane.router.headers import header_lines
+from kvplane.router.headers import CREDENTIALS, HOP_BY_HOP, HeaderPolicy
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -131,11 +132,14 @@ def test_request_on_the_wire_and_keep_alive_reuse(run: Runner) -> None:
         (b"authorization", b"Bearer t"),
     ]
 
+    # auth.forward_authorization: the client's credential goes on to the engine
+    policy = HeaderPolicy(HOP_BY_HOP | (CREDENTIALS - {b"authorization"}), 100, 32768)
+
     async def main() -> None:
         fwd = Forwarder(connect_timeout_s=2, read_timeout_s=5)
         async with srv:
             for i in range(3):
-                lines = header_lines(client_headers, b"req-%d" % i)
+                lines = policy.lines(client_headers, b"req-%d" % i)
                 resp = await fwd.post(srv.url + "/base/", b"/v1/completions", lines, body)
                 assert resp.status == 200
                 assert (b"x-request-id", b"from-engine") in resp.headers
@@ -259,13 +263,16 @@ def test_failures_before_the_head_are_backend_unavailable(run: Runner) -> None:
         nonlocal done
         done = asyncio.Event()
         fwd = Forwarder(connect_timeout_s=2, read_timeout_s=0.3)
-        with pytest.raises(BackendUnavailable):
+        with pytest.raises(BackendUnavailable) as refused:
             await fwd.post(f"http://127.0.0.1:{free_port()}", b"/x", b"", b"{}")
+        assert refused.value.cause is Cause.CONNECT  # the pod is unreachable
         async with srv:
-            with pytest.raises(BackendUnavailable, match="no response head"):
+            with pytest.raises(BackendUnavailable, match="no response head") as slow:
                 await fwd.post(srv.url, b"/x", b"", b"{}")
-            with pytest.raises(BackendUnavailable):
+            assert slow.value.cause is Cause.TIMEOUT  # it took the request
+            with pytest.raises(BackendUnavailable) as garbled:
                 await fwd.post(srv.url, b"/x", b"", b"{}")
+            assert garbled.value.cause is Cause.CLOSED
             done.set()
         fwd.close()
 
@@ -424,6 +431,7 @@ def _config(tok: Path, urls: dict[str, str], **extra: object) -> RouterConfig:
         {
             "model": {"name": "tiny", "tokenizer": str(tok), "block_size": 32},
             "backends": [{"name": n, "url": u} for n, u in urls.items()],
+            "auth": {"open_admin": True},  # loopback: explain, every header
             "scrape_interval_s": 0.2,
             **extra,
         }
@@ -451,18 +459,23 @@ def test_client_leaving_a_stream_stops_the_backend_stream(tokenizer_dir: Path) -
         assert r.router.pool.states["slow"].inflight == 0
 
 
-def test_read_timeout_before_the_head_moves_to_the_next_pod(tokenizer_dir: Path) -> None:
+def test_a_stream_with_no_head_in_time_moves_to_the_next_pod(tokenizer_dir: Path) -> None:
+    """A stuck engine (its /health still fine) stalls a stream's first byte: the request
+    moves on and the pod is demoted (test_router_faults.py: what a non-streamed request
+    that times out does instead)."""
     stuck, good = SlowEngine(hang=True), FakeEngine("good")
     with serve_in_thread(stuck.app()) as port, serve_engines(good):
         urls = {"stuck": f"http://127.0.0.1:{port}", "good": good.url}
-        config = _config(tokenizer_dir, urls, policy="round_robin", read_timeout_s=0.5)
+        config = _config(
+            tokenizer_dir, urls, policy="round_robin", first_byte_timeout_s=2, demote_first_s=60
+        )
         try:
             with serve_router(config) as r:
                 attempts = set()
                 for i in range(4):
                     resp = httpx.post(
                         f"{r.url}/v1/completions",
-                        json={"model": "tiny", "prompt": f"x{i}"},
+                        json={"model": "tiny", "prompt": f"x{i}", "stream": True},
                         timeout=10,
                     )
                     assert resp.status_code == 200 and resp.headers["x-kvplane-pod"] == "good"

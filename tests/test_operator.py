@@ -1,10 +1,13 @@
 """The operator (kopf, in-process) against a real kube-apiserver, controller-manager,
 scheduler and kwok GPU nodes: objects created, pods Running, status conditions,
-scaling, rolling on a generation change, drift repair, P/D, deletion cascade."""
+scaling, rolling on a generation change, drift repair, P/D, deletion cascade; one pool
+never harming another (residency, failures), names at the API's limits, statuses of
+engine pools and tiers, transient API errors, one roll at creation."""
 
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,27 @@ def ready(cluster: K8sCluster, ns: str, name: str) -> bool:
 def deployments(cluster: K8sCluster, ns: str) -> dict[str, dict[str, Any]]:
     items = cluster.kubectl_json("get", "deployments", "-n", ns)["items"]
     return {d["metadata"]["name"]: d for d in items}
+
+
+def degraded(cluster: K8sCluster, ns: str, kind: str, name: str, text: str = "") -> bool:
+    cond = condition(get(cluster, ns, kind, name), "Degraded")
+    return cond.get("status") == "True" and text in cond.get("message", "")
+
+
+@pytest.fixture
+def other_namespace(k8s_cluster: K8sCluster) -> Iterator[str]:
+    """A second namespace, named to list before the test's own (``a-...``)."""
+    name = f"a-{secrets.token_hex(4)}"
+    k8s_cluster.kubectl("create", "namespace", name)
+    k8s_cluster.wait_until(
+        f"ServiceAccount {name}/default",
+        lambda: (
+            k8s_cluster.kubectl("get", "sa", "default", "-n", name, check=False).returncode == 0
+        ),
+        timeout_s=30,
+    )
+    yield name
+    k8s_cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
 def test_aggregated_pool_comes_up_and_reports_status(
@@ -209,3 +233,352 @@ def test_external_index_residency_is_removed_with_the_pool(
     c.kubectl("delete", "inferencepool", "ext", "-n", ns, "--wait=true", timeout_s=90)
     assert not list(r.scan_iter(f"kvp:{{{tag}}}:*"))
     assert r.get("unrelated") == b"1"
+
+
+def selector_string(selector: dict[str, Any]) -> str:
+    parts = [f"{k}={v}" for k, v in selector.get("matchLabels", {}).items()]
+    for e in selector.get("matchExpressions", []):
+        assert e["operator"] == "In"
+        parts.append(f"{e['key']} in ({','.join(e['values'])})")
+    return ",".join(parts)
+
+
+def selected_pods(cluster: K8sCluster, ns: str, selector: dict[str, Any]) -> set[str]:
+    pods = cluster.kubectl_json("get", "pods", "-n", ns, "-l", selector_string(selector))
+    return {p["metadata"]["labels"]["kvplane.io/role"] for p in pods["items"]}
+
+
+def test_network_policies_select_the_pools_pods(
+    operator: KopfRunner, k8s_cluster: K8sCluster, k8s_namespace: str
+) -> None:
+    """On the API server's own label selection: the engines' policy guards the engine
+    pods and admits router and indexer pods to the KV event ports; Redis admits them."""
+    ns, c = k8s_namespace, k8s_cluster
+    apply(c, ns, "InferencePool", "llama", {"model": MODEL, "router": {"replicas": 1}})
+    apply(c, ns, "DecodePool", "main", {"poolRef": {"name": "llama"}, "replicas": 1})
+    c.wait_until("pool Ready", lambda: ready(c, ns, "llama"), timeout_s=90)
+    engines = c.kubectl_json("get", "networkpolicy", "llama-engines", "-n", ns)["spec"]
+    assert selected_pods(c, ns, engines["podSelector"]) == {"decode"}
+    events, http, peers = engines["ingress"]
+    assert {p["port"] for p in events["ports"]} == {5557, 5558}
+    assert selected_pods(c, ns, events["from"][0]["podSelector"]) == {"router", "indexer"}
+    assert {p["port"] for p in http["ports"]} == {8000}
+    assert selected_pods(c, ns, http["from"][0]["podSelector"]) == {"router"}
+    assert "ports" not in peers and selected_pods(c, ns, peers["from"][0]["podSelector"]) == {
+        "decode"
+    }
+    redis = c.kubectl_json("get", "networkpolicy", "llama-redis", "-n", ns)["spec"]
+    assert selected_pods(c, ns, redis["podSelector"]) == {"redis"}
+    assert selected_pods(c, ns, redis["ingress"][0]["from"][0]["podSelector"]) == {
+        "router",
+        "indexer",
+    }
+
+
+def test_router_indexer_and_redis_pass_the_restricted_pod_security_standard(
+    operator: KopfRunner, k8s_cluster: K8sCluster, k8s_namespace: str
+) -> None:
+    """In a namespace that enforces the restricted standard, the API server admits the
+    router, indexer and Redis pods (engines run as their images need, so not there)."""
+    ns, c = k8s_namespace, k8s_cluster
+    c.kubectl("label", "namespace", ns, "pod-security.kubernetes.io/enforce=restricted")
+    apply(c, ns, "InferencePool", "llama", {"model": MODEL, "router": {"replicas": 1}})
+    apply(c, ns, "DecodePool", "main", {"poolRef": {"name": "llama"}, "replicas": 1})
+
+    def running() -> set[str]:
+        pods = c.kubectl_json("get", "pods", "-n", ns)["items"]
+        return {
+            p["metadata"]["labels"]["kvplane.io/role"]
+            for p in pods
+            if p["status"].get("phase") == "Running"
+        }
+
+    c.wait_until(
+        "router, indexer and Redis pods Running",
+        lambda: {"router", "indexer", "redis"} <= running(),
+        timeout_s=90,
+    )
+
+
+def test_same_model_in_two_namespaces_keeps_separate_residency(
+    operator: KopfRunner,
+    k8s_cluster: K8sCluster,
+    k8s_namespace: str,
+    other_namespace: str,
+    redis_server: Any,
+) -> None:
+    """Two pools of one model and one name, in two namespaces, on one external Redis:
+    each has its own generation tag, and deleting one removes only its keys."""
+    import redis as redis_lib
+
+    c = k8s_cluster
+    spec = {
+        "model": MODEL,
+        "router": {"replicas": 1},
+        "index": {"external": {"url": redis_server.url}},
+    }
+    for ns in (k8s_namespace, other_namespace):
+        apply(c, ns, "InferencePool", "llama", spec)
+        apply(c, ns, "DecodePool", "d", {"poolRef": {"name": "llama"}, "replicas": 1})
+    c.wait_until(
+        "both Ready",
+        lambda: ready(c, k8s_namespace, "llama") and ready(c, other_namespace, "llama"),
+        timeout_s=90,
+    )
+    tags = {}
+    for ns in (k8s_namespace, other_namespace):
+        pool = get(c, ns, "inferencepool", "llama")
+        assert pool is not None
+        tags[ns] = pool["status"]["generationTag"]
+        config = c.kubectl_json("get", "configmap", "llama-router", "-n", ns)["data"]
+        assert f"generation: {tags[ns]}" in config["router.yaml"]
+    assert tags[k8s_namespace] != tags[other_namespace]
+    r = redis_lib.Redis.from_url(redis_server.url)
+    for tag in tags.values():
+        r.hset(f"kvp:{{{tag}}}:inc", "pod-a", "1")
+        r.hset(f"kvp:{{{tag}}}:b:abc", "pod-a\x1f1\x1fhbm", "0")
+    c.kubectl(
+        "delete", "inferencepool", "llama", "-n", other_namespace, "--wait=true", timeout_s=90
+    )
+    assert not list(r.scan_iter(f"kvp:{{{tags[other_namespace]}}}:*"))
+    assert len(list(r.scan_iter(f"kvp:{{{tags[k8s_namespace]}}}:*"))) == 2
+    assert ready(c, k8s_namespace, "llama")
+
+
+def test_a_failing_pool_leaves_the_others_repaired(
+    operator: KopfRunner, k8s_cluster: K8sCluster, k8s_namespace: str, other_namespace: str
+) -> None:
+    """A pool whose Services the API server refuses (a quota of none, in a namespace
+    that lists first) is Degraded with the reason and retried on its own back-off; a
+    Service deleted from a pool in another namespace comes back."""
+    c, bad, good = k8s_cluster, other_namespace, k8s_namespace
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "no-services"},
+        "spec": {"hard": {"services": "0"}},
+    }
+    c.apply(quota, namespace=bad)
+    c.wait_until(
+        "quota counted",
+        lambda: (
+            "services"
+            in c.kubectl_json("get", "resourcequota", "no-services", "-n", bad)
+            .get("status", {})
+            .get("hard", {})
+        ),
+        timeout_s=30,
+    )
+    for ns in (bad, good):
+        apply(c, ns, "InferencePool", "llama", {"model": MODEL, "router": {"replicas": 1}})
+        apply(c, ns, "DecodePool", "d", {"poolRef": {"name": "llama"}, "replicas": 1})
+    c.wait_until("the good pool Ready", lambda: ready(c, good, "llama"), timeout_s=90)
+    c.wait_until(
+        "the bad pool Degraded",
+        lambda: degraded(c, bad, "inferencepool", "llama", "exceeded quota"),
+        timeout_s=90,
+    )
+    cond = condition(get(c, bad, "inferencepool", "llama"), "Degraded")
+    assert cond["reason"] == "ApplyRefused" and "cannot apply Service" in cond["message"]
+    assert deployments(c, bad), "what the API server accepts is still applied"
+
+    c.kubectl("delete", "service", "llama-router", "-n", good)
+    c.wait_until(
+        "the good pool's Service back",
+        lambda: get(c, good, "service", "llama-router") is not None,
+        timeout_s=60,
+    )
+    assert degraded(c, bad, "inferencepool", "llama", "exceeded quota")
+
+
+def test_names_longer_than_a_label_are_reconciled(
+    operator: KopfRunner, k8s_cluster: K8sCluster, k8s_namespace: str
+) -> None:
+    """A valid custom-resource name longer than a label value or a Service name: every
+    object gets a shortened, hashed name and label, and the pool becomes Ready."""
+    from kvplane.operator.render import names as N
+
+    ns, c = k8s_namespace, k8s_cluster
+    name = "llama-" + "x" * 64
+    apply(c, ns, "InferencePool", name, {"model": MODEL, "router": {"replicas": 1}})
+    apply(c, ns, "DecodePool", "d" * 70, {"poolRef": {"name": name}, "replicas": 1})
+    c.wait_until("long-named pool Ready", lambda: ready(c, ns, name), timeout_s=90)
+    router = N.router_name(name)
+    pool = get(c, ns, "inferencepool", name)
+    assert pool is not None
+    assert pool["status"]["routerEndpoint"] == f"http://{router}.{ns}.svc:8000"
+    assert get(c, ns, "service", router) is not None
+    assert all(len(d) <= 63 for d in deployments(c, ns))
+    assert (get(c, ns, "decodepool", "d" * 70) or {}).get("status", {}).get("readyReplicas") == 1
+
+
+def test_engine_pools_and_tiers_report_status(
+    operator: KopfRunner, k8s_cluster: K8sCluster, k8s_namespace: str
+) -> None:
+    """An engine pool whose poolRef names no pool says so; a tier says whether it is in
+    use and valid for each pool that uses it."""
+    ns, c = k8s_namespace, k8s_cluster
+    apply(c, ns, "DecodePool", "lost", {"poolRef": {"name": "nope"}, "replicas": 1})
+    c.wait_until(
+        "orphan DecodePool Degraded",
+        lambda: degraded(c, ns, "decodepool", "lost", "InferencePool nope"),
+        timeout_s=60,
+    )
+    assert condition(get(c, ns, "decodepool", "lost"), "Degraded")["reason"] == "PoolNotFound"
+    dram = {"tier": "dram", "backend": "native", "capacityPerPod": "64Gi", "bandwidthGbps": 50}
+    apply(c, ns, "KVCacheTier", "dram", dram)
+    apply(c, ns, "KVCacheTier", "dram2", dram)
+
+    def tier(name: str) -> dict[str, Any]:
+        return dict((get(c, ns, "kvcachetier", name) or {}).get("status") or {})
+
+    c.wait_until("tier status", lambda: tier("dram").get("ready") is True, timeout_s=60)
+    assert condition({"status": tier("dram")}, "InUse")["status"] == "False"
+
+    tiers = [{"name": "dram"}, {"name": "dram2"}]
+    spec = {"model": MODEL, "router": {"replicas": 1}, "kvCacheTiers": tiers}
+    apply(c, ns, "InferencePool", "llama", spec)
+    c.wait_until(
+        "two dram tiers invalid for the pool",
+        lambda: tier("dram").get("ready") is False,
+        timeout_s=60,
+    )
+    assert "more than one dram tier" in condition({"status": tier("dram")}, "Ready")["message"]
+    assert tier("dram2")["pools"] == ["llama"]
+    apply(c, ns, "InferencePool", "llama", {**spec, "kvCacheTiers": [{"name": "dram"}]})
+    apply(c, ns, "DecodePool", "lost", {"poolRef": {"name": "llama"}, "replicas": 1})
+    c.wait_until("pool Ready", lambda: ready(c, ns, "llama"), timeout_s=90)
+    c.wait_until(
+        "tiers updated",
+        lambda: tier("dram").get("ready") is True and tier("dram2").get("pools") == [],
+        timeout_s=60,
+    )
+    assert condition({"status": tier("dram")}, "InUse")["message"] == "used by InferencePool llama"
+    assert condition(get(c, ns, "decodepool", "lost"), "Degraded")["status"] == "False"
+
+
+def test_a_pool_created_with_all_its_parts_rolls_out_once(
+    operator: KopfRunner, k8s_cluster: K8sCluster, k8s_namespace: str
+) -> None:
+    """InferencePool, DecodePool, PrefillPool and tier applied together: rendered once,
+    disaggregated from the start, so no Deployment is rolled a second time."""
+    import yaml
+
+    ns, c = k8s_namespace, k8s_cluster
+    dram = {"tier": "dram", "backend": "native", "capacityPerPod": "64Gi", "bandwidthGbps": 50}
+    nixl = {"connector": "nixl"}
+    docs = [
+        (
+            "InferencePool",
+            "pd",
+            {"model": MODEL, "router": {"replicas": 1}, "kvCacheTiers": [{"name": "dram"}]},
+        ),
+        ("DecodePool", "d", {"poolRef": {"name": "pd"}, "replicas": 1, "kvTransfer": nixl}),
+        ("PrefillPool", "p", {"poolRef": {"name": "pd"}, "replicas": 1, "kvTransfer": nixl}),
+        ("KVCacheTier", "dram", dram),
+    ]
+    manifests = [
+        {"apiVersion": "kvplane.io/v1alpha1", "kind": k, "metadata": {"name": n}, "spec": s}
+        for k, n, s in docs
+    ]
+    c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(manifests))
+    c.wait_until("P/D pool Ready", lambda: ready(c, ns, "pd"), timeout_s=90)
+    pool = get(c, ns, "inferencepool", "pd")
+    assert pool is not None and pool["status"]["mode"] == "disaggregated"
+    deps = deployments(c, ns)
+    for name in ("pd-decode-d", "pd-prefill", "pd-router", "pd-indexer"):
+        assert deps[name]["metadata"]["generation"] == 1, f"{name} was rolled again"
+
+
+WEBHOOK = "admissionregistration.k8s.io/v1"
+
+
+def test_transient_api_errors_are_retried(
+    operator: KopfRunner, k8s_cluster: K8sCluster, k8s_namespace: str
+) -> None:
+    """While a webhook the API server cannot reach refuses Deployments (500), a deleted
+    Deployment cannot come back: the pool says why, and its reconcile keeps retrying
+    with back-off until the webhook is gone, when the Deployment returns."""
+    ns, c = k8s_namespace, k8s_cluster
+    apply(c, ns, "InferencePool", "llama", {"model": MODEL, "router": {"replicas": 1}})
+    apply(c, ns, "DecodePool", "d", {"poolRef": {"name": "llama"}, "replicas": 1})
+    c.wait_until("pool Ready", lambda: ready(c, ns, "llama"), timeout_s=90)
+    hook = {
+        "apiVersion": WEBHOOK,
+        "kind": "ValidatingWebhookConfiguration",
+        "metadata": {"name": f"unreachable-{ns}"},
+        "webhooks": [
+            {
+                "name": "unreachable.kvplane.test",
+                "clientConfig": {"url": "https://127.0.0.1:1/validate"},
+                "rules": [
+                    {
+                        "apiGroups": ["apps"],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["deployments"],
+                    }
+                ],
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+                "failurePolicy": "Fail",
+                "sideEffects": "None",
+                "admissionReviewVersions": ["v1"],
+                "timeoutSeconds": 2,
+            }
+        ],
+    }
+    c.apply(hook)
+    try:
+        c.kubectl("delete", "deployment", "llama-router", "-n", ns)
+        c.wait_until(
+            "the pool Degraded by the failing webhook",
+            lambda: degraded(c, ns, "inferencepool", "llama", "failed calling webhook"),
+            timeout_s=120,
+        )
+        cond = condition(get(c, ns, "inferencepool", "llama"), "Degraded")
+        assert cond["reason"] == "ReconcileFailed"
+    finally:
+        c.kubectl("delete", "validatingwebhookconfiguration", f"unreachable-{ns}", check=False)
+    c.wait_until(
+        "router Deployment back", lambda: "llama-router" in deployments(c, ns), timeout_s=120
+    )
+    c.wait_until("Ready again", lambda: ready(c, ns, "llama"), timeout_s=90)
+
+
+def test_every_rendered_object_reads_back_as_applied(
+    k8s_cluster: K8sCluster, k8s_namespace: str
+) -> None:
+    """What lets a pool at rest cost nothing: each object of every render scenario,
+    applied to the API server and read back (defaults filled in, quantities
+    canonicalised), still covers what was applied, so the operator never re-applies it."""
+    import asyncio
+
+    from kvplane.operator.compare import covers
+    from kvplane.operator.render import inference_pool_objects
+    from kvplane.router.kube import Kube
+    from test_render import OPERATOR_IMAGE, POOL, SCENARIOS
+
+    ns = k8s_namespace
+
+    async def scenario() -> None:
+        client = await Kube.connect(str(k8s_cluster.kubeconfig))
+        try:
+            for s in SCENARIOS:
+                objects = inference_pool_objects(
+                    POOL,
+                    ns,
+                    s.spec(),
+                    prefill=s.prefill_spec(),
+                    decodes=s.decode_specs(),
+                    tiers=s.tier_specs(),
+                    default_image=OPERATOR_IMAGE,
+                )
+                for obj in objects:
+                    await client.apply(obj, "kvplane-test")
+                for obj in objects:
+                    live = await client.get(obj["kind"], ns, obj["metadata"]["name"])
+                    assert live is not None and covers(live, obj), (s.name, obj["kind"], obj)
+        finally:
+            await client.close()
+
+    asyncio.run(scenario())

@@ -46,6 +46,7 @@ def make_config(
             },
             "backends": backends or [e.backend() for e in engines],
             # long: a pod stopped by a test still looks healthy to the router
+            "auth": {"open_admin": True},  # loopback: explain, every header
             "scrape_interval_s": 30,
             "pd": {"connector": protocol, "aggregate_max_uncached_tokens": 64, **pd},
         }

@@ -66,6 +66,7 @@ def pd_stack(tokenizer_dir: Path, connector: str) -> Iterator[tuple[SimFleet, Ru
                     "kv_bytes_per_token": fleet.profile.kv_bytes_per_token,
                 },
                 "backends": fleet.backends(),
+                "auth": {"open_admin": True},  # loopback: explain, every header
                 "scrape_interval_s": 0.5,
                 "pd": {
                     "connector": connector,

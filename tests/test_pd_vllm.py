@@ -150,6 +150,7 @@ def pd_router(engines: list[VllmEngine], tiny_model: Path) -> Iterator[RunningRo
             },
             "backends": [{**p0.backend(), "role": "prefill"}, {**d0.backend(), "role": "decode"}],
             # health checks time out at the scrape interval: generous on a loaded machine
+            "auth": {"open_admin": True},  # loopback: explain, every header
             "scrape_interval_s": 2.0,
             "pd": {"connector": "nixl", "aggregate_max_uncached_tokens": 64},
         }

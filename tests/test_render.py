@@ -393,11 +393,13 @@ def test_a_generation_change_rolls_the_same_deployment() -> None:
             assert annotations[N.ANNOTATION_GENERATION] == "bbbbbbbbbbbb"
 
 
-def test_generation_tag_tracks_model_identity() -> None:
-    base = BY_NAME["vllm-aggregated"].spec()
-    tag = generation_tag(base)
+def test_generation_tag_tracks_pool_and_model_identity() -> None:
+    def tag_of(spec: Json, namespace: str = NAMESPACE, pool: str = POOL) -> str:
+        return generation_tag(InferencePoolSpec.model_validate(spec), namespace, pool)
+
+    tag = generation_tag(BY_NAME["vllm-aggregated"].spec(), NAMESPACE, POOL)
     assert LABEL_VALUE.match(tag) and len(tag) == 12
-    assert generation_tag(InferencePoolSpec.model_validate({"model": LLAMA})) == tag
+    assert tag_of({"model": LLAMA}) == tag
     changes: list[Json] = [
         {"model": {**LLAMA, "servedName": "other"}},
         {"model": {**LLAMA, "revision": "main"}},
@@ -407,11 +409,13 @@ def test_generation_tag_tracks_model_identity() -> None:
         {"model": LLAMA, "engine": {"kind": "sglang"}},
         {"model": LLAMA, "engine": {"hashSeed": "7"}},
     ]
-    tags = {generation_tag(InferencePoolSpec.model_validate(c)) for c in changes}
-    assert tag not in tags and len(tags) == len(changes)
+    tags = {tag_of(c) for c in changes}
+    # the same model in another namespace, or another pool of the same namespace
+    tags |= {tag_of({"model": LLAMA}, namespace="other"), tag_of({"model": LLAMA}, pool="other")}
+    assert tag not in tags and len(tags) == len(changes) + 2
     # not identity: image, extra args, router settings
     same = {"model": LLAMA, "engine": {"image": "x:1", "extraArgs": ["--a"]}, "router": {"port": 1}}
-    assert generation_tag(InferencePoolSpec.model_validate(same)) == tag
+    assert tag_of(same) == tag
 
 
 def test_port_names_are_valid_and_unique_per_pod() -> None:
@@ -474,7 +478,7 @@ def test_engines_agree_with_the_router_config() -> None:
         cm = next(o for o in objects if o["kind"] == "ConfigMap" and "router.yaml" in o["data"])
         config = RouterConfig.model_validate(yaml.safe_load(cm["data"]["router.yaml"]))
         assert config.discovery is not None and config.index.backend == "redis"
-        assert config.model.generation == generation_tag(scenario.spec())
+        assert config.model.generation == generation_tag(scenario.spec(), NAMESPACE, POOL)
         for dep in _engines(scenario):
             container = _engine_container(dep)
             ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -630,5 +634,172 @@ def test_autoscaled_pools_get_an_hpa_on_their_signal() -> None:
     assert hpa["spec"]["scaleTargetRef"]["name"] == N.decode_name(POOL, "d")
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
     pods = hpa["spec"]["metrics"][0]["pods"]
-    assert pods["metric"]["name"] == "vllm_num_requests_waiting"
+    assert pods["metric"]["name"] == "vllm_num_requests_waiting"  # vllm:, colon-free
     assert pods["target"]["averageValue"] == "4000m"
+
+
+# --- network policies and pod security ---------------------------------------------------
+
+
+def _selects(selector: Json, labels: dict[str, str]) -> bool:
+    """Kubernetes label-selector semantics (matchLabels and In/NotIn/Exists)."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        value, op = labels.get(expr["key"]), expr["operator"]
+        if op == "In" and value not in expr["values"]:
+            return False
+        if op == "NotIn" and value in expr["values"]:
+            return False
+        if op == "Exists" and value is None:
+            return False
+    return True
+
+
+ALL_PORTS = -1
+
+
+def _admitted(policies: list[Json], target: dict[str, str], source: dict[str, str]) -> set[int]:
+    """Ports ``source`` may reach on ``target`` under the (same-namespace) policies; every
+    port when no policy selects the target (ALL_PORTS stands for any port)."""
+    selecting = [p for p in policies if _selects(p["spec"]["podSelector"], target)]
+    if not selecting:
+        return {ALL_PORTS}
+    ports: set[int] = set()
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress", []):
+            peers = rule.get("from", [])
+            if peers and not any(_selects(p.get("podSelector", {}), source) for p in peers):
+                continue
+            ports |= {p["port"] for p in rule["ports"]} if rule.get("ports") else {ALL_PORTS}
+    return ports
+
+
+def test_only_kvplane_components_reach_engines_and_redis() -> None:
+    """Engines' KV event and replay ports: indexer and router only; their HTTP port (and
+    with P/D their bootstrap port): the router only; any port: the pool's other engines
+    (P/D transfers); the managed Redis: router and indexer only. A pod of another pool,
+    or any other pod, reaches none."""
+    for scenario in SCENARIOS:
+        objects = scenario.render()
+        policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+        pods = {
+            o["spec"]["template"]["metadata"]["labels"][N.LABEL_ROLE]: o["spec"]["template"][
+                "metadata"
+            ]["labels"]
+            for o in objects
+            if o["kind"] == "Deployment"
+        }
+        outsiders = [{}, {**pods["router"], N.LABEL_POOL: "other"}, {"app": "prometheus"}]
+        events = {N.KV_EVENTS_PORT, N.KV_REPLAY_PORT}
+        prefill = scenario.prefill_spec()
+        transfer = pd_transfer(
+            prefill[1] if prefill else None, list(scenario.decode_specs().values())
+        )
+        router_ports = events | {N.ENGINE_HTTP_PORT}
+        if transfer is not None:  # the router asks a prefill pod's bootstrap server
+            router_ports.add(transfer.bootstrap_port)
+        for role in N.ENGINE_ROLES:
+            if role.value not in pods:
+                continue
+            engine = pods[role.value]
+            assert _admitted(policies, engine, pods["router"]) == router_ports
+            assert _admitted(policies, engine, pods["indexer"]) == events
+            for other in N.ENGINE_ROLES:
+                if other.value in pods:
+                    assert _admitted(policies, engine, pods[other.value]) == {ALL_PORTS}
+            for source in [*outsiders, *([pods["redis"]] if "redis" in pods else [])]:
+                assert _admitted(policies, engine, source) == set(), (scenario.name, source)
+        if "redis" in pods:
+            redis = pods["redis"]
+            for reader in ("router", "indexer"):
+                assert _admitted(policies, redis, pods[reader]) == {N.REDIS_PORT}
+            for source in [*outsiders, pods["decode"]]:
+                assert _admitted(policies, redis, source) == set(), (scenario.name, source)
+
+
+def test_metrics_peers_reach_only_the_engines_http_port() -> None:
+    scenario = BY_NAME["vllm-aggregated"]
+    prometheus = {"podSelector": {"matchLabels": {"app": "prometheus"}}}
+    spec = InferencePoolSpec.model_validate(
+        {**scenario.ipool, "networkPolicy": {"metricsFrom": [prometheus]}}
+    )
+    objects = inference_pool_objects(
+        POOL,
+        NAMESPACE,
+        spec,
+        prefill=None,
+        decodes=scenario.decode_specs(),
+        tiers=[],
+        default_image=OPERATOR_IMAGE,
+    )
+    policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    engine = next(o for o in objects if o["metadata"]["name"] == "llama-decode-main")
+    labels = engine["spec"]["template"]["metadata"]["labels"]
+    assert _admitted(policies, labels, {"app": "prometheus"}) == {N.ENGINE_HTTP_PORT}
+    off = InferencePoolSpec.model_validate({**scenario.ipool, "networkPolicy": {"enabled": False}})
+    objects = inference_pool_objects(
+        POOL,
+        NAMESPACE,
+        off,
+        prefill=None,
+        decodes=scenario.decode_specs(),
+        tiers=[],
+        default_image=OPERATOR_IMAGE,
+    )
+    assert not [o for o in objects if o["kind"] == "NetworkPolicy"]
+
+
+RESTRICTED_ROLES = ("router", "indexer", "redis")
+
+
+def test_router_indexer_and_redis_pods_are_restricted() -> None:
+    """The restricted Pod Security Standard, and a writable emptyDir where they write."""
+    for scenario, dep in _deployments():
+        pod = dep["spec"]["template"]["spec"]
+        role = dep["spec"]["template"]["metadata"]["labels"][N.LABEL_ROLE]
+        containers = _pod_containers(dep)
+        if role in RESTRICTED_ROLES:
+            assert pod["securityContext"]["runAsNonRoot"] is True
+            assert pod["securityContext"]["runAsUser"] > 0
+            assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            for c in containers:
+                sc = c["securityContext"]
+                assert sc["readOnlyRootFilesystem"] is True, (scenario, c["name"])
+                assert sc["allowPrivilegeEscalation"] is False
+                assert sc["capabilities"] == {"drop": ["ALL"]}
+                assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+                writable = {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")}
+                assert writable, (scenario, c["name"], "needs somewhere to write")
+            if role == "redis":
+                assert pod["automountServiceAccountToken"] is False
+        elif role in N.ENGINE_ROLES:
+            (c,) = containers
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+            assert sc["capabilities"]["drop"] == ["ALL"]
+            assert pod["automountServiceAccountToken"] is False
+
+
+def test_rdma_engines_keep_only_ipc_lock() -> None:
+    found = False
+    for scenario in SCENARIOS:
+        for dep in _engines(scenario):
+            caps = _engine_container(dep)["securityContext"]["capabilities"]
+            assert caps["drop"] == ["ALL"]
+            assert caps.get("add", ["IPC_LOCK"]) == ["IPC_LOCK"]
+            found |= "add" in caps
+    assert found, "some scenario uses RDMA"
+
+
+def test_routers_are_bound_to_the_discovery_cluster_role_only() -> None:
+    for scenario in SCENARIOS:
+        objects = scenario.render()
+        assert not [o for o in objects if o["kind"] == "Role"]
+        for binding in (o for o in objects if o["kind"] == "RoleBinding"):
+            assert binding["roleRef"] == {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": N.DISCOVERY_ROLE,
+            }

@@ -42,6 +42,7 @@ def make_config(tok: Path, engines: list[FakeEngine], **extra: object) -> Router
                 "chat_template": CHAT_TEMPLATE,
             },
             "backends": [{"name": e.name, "url": e.url} for e in engines],
+            "auth": {"open_admin": True},  # loopback: explain, every header
             "scrape_interval_s": 0.2,
             **extra,
         }

@@ -63,6 +63,7 @@ def config_for(engines: list[VllmEngine], tokenizer: Path, **extra: object) -> R
                 "max_model_len": 8192,
             },
             "backends": [e.backend() for e in engines],
+            "auth": {"open_admin": True},  # loopback: explain, every header
             "scrape_interval_s": 0.5,
             **extra,
         }

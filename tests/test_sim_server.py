@@ -379,6 +379,7 @@ def test_kvplane_router_sends_the_follow_up_to_the_prefix_holder(
                 "max_model_len": 8192,
             },
             "backends": fleet.backends(),
+            "auth": {"open_admin": True},  # loopback: explain, every header
             "scrape_interval_s": 0.2,
             "cost": {"tentative_ttl_s": 0.01},  # residency below comes from the events
         }
@@ -661,6 +662,7 @@ def test_kvplane_router_disaggregates_over_the_sim(fleet: SimFleet, tokenizer_di
                     "kv_bytes_per_token": f.profile.kv_bytes_per_token,
                 },
                 "backends": f.backends(),
+                "auth": {"open_admin": True},  # loopback: explain, every header
                 "scrape_interval_s": 0.2,
                 "pd": {"connector": "nixl", "aggregate_max_uncached_tokens": 0},
             }

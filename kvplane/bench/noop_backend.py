@@ -484,7 +484,7 @@ async def _serve(
     spec: EngineSpec, host: str, ports: Sequence[int], kv_events_ports: Sequence[int]
 ) -> None:
     if spec.tokenizer:
-        _load_tokenizer(spec.tokenizer)  # now, not on the first /render (~0.5 s)
+        _load_tokenizer(spec.tokenizer)  # now, not on the first /render
     publishers: list[Any] = []
     servers = []
     for i, port in enumerate(ports):

@@ -532,7 +532,7 @@ def _finish(
         f"Simulator event-loop lag resyncs over all runs: {resyncs} (0 = the modeled "
         "timeline held; each is a step that started over 100 ms late).",
         "Why the targets come out as they do, and the conditional settings tried: "
-        "docs/pd.md, Benchmark.",
+        "bench/HISTORY.md, P/D points.",
     ]
     print(pd_report.table(runs))
     for t in doc["targets"]:

@@ -1,12 +1,12 @@
 """``kvplane bench pd --mode des``: the P/D modes in virtual time (:mod:`kvplane.sim.des_pd`).
 
 The HTTP benchmark replays through the live router and a simulated fleet on this
-machine's two cores; its figures move a few percent from run to run with the
-machine's load, which is the size of the 5% TTFT target itself, and it cannot
-simulate more than about 16 engines. This mode runs kvplane's own P/D choice against
-the same engine model in virtual time: the same arguments give the same figures,
-fleets of any size, several P:D splits and workload seeds per fleet, and pods placed
-on nodes (``--gpus-per-node``) with NVLink inside a node and NICs between nodes.
+machine's two cores; its figures move from run to run with the machine's load by
+about the size of the TTFT target itself, and it cannot simulate large fleets. This
+mode runs kvplane's own P/D choice against the same engine model in virtual time: the
+same arguments give the same figures, fleets of any size, several P:D splits and
+workload seeds per fleet, and pods placed on nodes (``--gpus-per-node``) with NVLink
+inside a node and NICs between nodes.
 
 Rows accumulate in ``bench/results/pd-des-<date>.json``: a run replaces the rows of
 the same fleet, workload slice, split, seed and mode, so one file holds a sweep made
@@ -302,7 +302,7 @@ NOTES = (
     "then decodes.",
     "ITL is each request's mean gap between its first and last token (vLLM bench's TPOT), "
     "p50/p99 over requests; token gap p99 is over every gap of every request.",
-    "Why the figures come out as they do: docs/pd.md, Benchmark.",
+    "Why the figures come out as they do: bench/HISTORY.md, P/D points.",
 )
 
 

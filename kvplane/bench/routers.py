@@ -97,6 +97,7 @@ def kvplane_config(
             **model.cost_set,
         },
         "index": {"backend": "memory"},
+        "auth": {"route_headers": True},  # the replay counts requests per pod
         "scrape_interval_s": 0.5,
     }
 

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import uvicorn
@@ -16,11 +16,16 @@ from kvplane.local.ports import free_port
 
 @contextlib.contextmanager
 def serve_in_thread(
-    app: Any, port: int | None = None, host: str = "127.0.0.1", start_timeout_s: float = 60.0
+    app: Any,
+    port: int | None = None,
+    host: str = "127.0.0.1",
+    start_timeout_s: float = 60.0,
+    config: Callable[..., uvicorn.Config] = uvicorn.Config,
 ) -> Iterator[int]:
-    """Yield the port once the server accepts connections; stop it on exit."""
+    """Yield the port once the server accepts connections; stop it on exit. ``config``
+    makes the server's config from ``app, host=, port=, log_level=``."""
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server = uvicorn.Server(config(app, host=host, port=port, log_level="warning"))
     loop = asyncio.new_event_loop()
     thread = threading.Thread(
         target=loop.run_until_complete, args=(server.serve(),), daemon=True, name=f"srv-{port}"

@@ -89,7 +89,7 @@ def models_dir() -> Path:
 
 
 def ensure_vllm_venv(timeout: float = 3600.0) -> Path:
-    """Run ``scripts/setup-vllm.sh`` (about 5 ms once done) and return the venv path."""
+    """Run ``scripts/setup-vllm.sh`` (a stamp check once done) and return the venv path."""
     subprocess.run(
         ["bash", str(SETUP_SCRIPT)],
         check=True,

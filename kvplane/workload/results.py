@@ -308,7 +308,7 @@ def oracle_hit_ratio(first: object, second: object, third: int | None = None, /)
 
 
 def segment_hit_ratio(workload: Workload) -> float:
-    """Mooncake's own definition (workloads.md §1.2): a request hits the longest
+    """Mooncake's own definition (its FAST'25 trace analysis): a request hits the longest
     leading run of its segment ids seen before; token hit = min(run x segment
     tokens, input length) / input length. 0.3736 on the full conversation trace."""
     seen: set[int] = set()

@@ -32,7 +32,7 @@ import random
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from pathlib import Path
@@ -43,7 +43,7 @@ import xxhash
 MOONCAKE_FILE = "mooncake_conversation_trace.jsonl.xz"
 MOONCAKE_ENV = "KVPLANE_MOONCAKE_TRACE"
 MOONCAKE_BLOCK = 512
-MOONCAKE_BATCH_MS = 3000.0  # the trace's timestamps come in ~3 s batches (workloads.md §1.1)
+MOONCAKE_BATCH_MS = 3000.0  # the trace's timestamps come in batches about 3 s apart
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,7 @@ class SegmentTokens:
             cache.move_to_end(key)
             return toks
         # 16 random bits per token index a 65536-entry table of the vocabulary: a C loop,
-        # ~50x faster than Random.choices, which topped a Mooncake replay's profile.
+        # where Random.choices topped a Mooncake replay's profile.
         picks = array("H", random.Random(_segment_seed(self.seed, segment)).randbytes(2 * length))
         toks = list(map(self._table.__getitem__, picks))
         cache[key] = toks
@@ -532,14 +532,6 @@ def head(workload: Workload, n: int) -> Workload:
     """The first ``n`` requests by arrival."""
     reqs = sorted(workload.requests, key=lambda r: r.arrival_s)[:n]
     return replace(workload, requests=reqs, description=f"{workload.description}, first {n}")
-
-
-def total_segments(requests: Iterable[TraceRequest]) -> int:
-    """Distinct segment ids named (a size estimate for the segment memo)."""
-    seen: set[int] = set()
-    for r in requests:
-        seen.update(r.segments)
-    return len(seen)
 
 
 WORKLOAD_NAMES: Final = ("mooncake", "gsp", "multi-round-qa", "long-doc-qa", "no-reuse")

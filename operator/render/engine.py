@@ -11,13 +11,15 @@ from collections.abc import Sequence
 from typing import Final
 
 from kvplane.operator.api import (
+    Autoscaling,
     EnginePoolSpec,
     InferencePoolSpec,
     KVCacheTierSpec,
     KVTransfer,
+    ScaleSignal,
     TierVolume,
 )
-from kvplane.operator.render import k8s, names
+from kvplane.operator.render import autoscaling, k8s, names
 from kvplane.operator.render.engines import EnginePod, adapter
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.tiers import NVME_MOUNT, RenderError
@@ -201,15 +203,18 @@ def engine_autoscaler(
     role: Role,
     pool: EnginePoolSpec,
 ) -> Json | None:
-    """An autoscaling/v2 HPA on the pool's own signal (KV cache pressure or queue
-    depth per pod), or None for a fixed-size pool. The engine Deployment then
-    leaves ``replicas`` to the HPA."""
+    """An autoscaling/v2 HPA on the pool's own signal, or None for a fixed-size pool.
+    The engine Deployment then leaves ``replicas`` to the HPA.
+
+    KV cache pressure and queue depth are per-pod engine metrics (``Pods``, named by
+    the engine adapter as the Prometheus adapter exposes them); predicted TTFT is the
+    pool router's p90 (``External``, selected by the router's ``pool`` label) held at
+    the pool's ``slo.ttftMs``. The Prometheus adapter rules that serve them:
+    ``render/autoscaling.py``."""
     scaling = pool.autoscaling
     if scaling is None:
         return None
     name = names.engine_name(ipool_name, role, pool_name)
-    metric = adapter(ipool.engine.kind).scale_metrics[scaling.signal]
-    target = f"{round(scaling.target * 1000)}m"
     labels = names.object_labels(ipool_name, role, ipool.engine.kind.value, pool_name)
     return {
         "apiVersion": "autoscaling/v2",
@@ -219,15 +224,31 @@ def engine_autoscaler(
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
             "minReplicas": max(1, scaling.min_replicas),
             "maxReplicas": scaling.max_replicas,
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": metric},
-                        "target": {"type": "AverageValue", "averageValue": target},
-                    },
-                }
-            ],
+            "metrics": [autoscaler_metric(ipool_name, ipool, scaling)],
+        },
+    }
+
+
+def autoscaler_metric(ipool_name: str, ipool: InferencePoolSpec, scaling: Autoscaling) -> Json:
+    """One autoscaling/v2 metric source for the pool's signal."""
+    if scaling.signal is ScaleSignal.PREDICTED_TTFT:
+        seconds = ipool.slo.ttft_ms / 1000 if ipool.slo is not None else scaling.target
+        return {
+            "type": "External",
+            "external": {
+                "metric": {
+                    "name": autoscaling.PREDICTED_TTFT_METRIC,
+                    "selector": {"matchLabels": {"pool": ipool_name}},
+                },
+                "target": {"type": "Value", "value": f"{round(seconds * 1000)}m"},
+            },
+        }
+    metric = adapter(ipool.engine.kind).scale_metrics[scaling.signal]
+    return {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": autoscaling.hpa_metric_name(metric)},
+            "target": {"type": "AverageValue", "averageValue": f"{round(scaling.target * 1000)}m"},
         },
     }
 
@@ -239,6 +260,6 @@ def engine_config_maps(
     out = []
     for cm in adapter(ipool.engine.kind).config_mounts(ipool_name, tiers):
         labels = {**names.common_labels(ipool_name, cm.component, cm.component)}
-        labels[names.LABEL_POOL] = ipool_name
+        labels[names.LABEL_POOL] = names.fit(ipool_name)
         out.append(k8s.config_map(cm.config_map, namespace, labels, {cm.key: cm.content}))
     return out

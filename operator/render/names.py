@@ -35,6 +35,10 @@ MANAGED_BY: Final = "kvplane-operator"
 
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 
+# The ClusterRole (pods: get, list, watch) that each router and indexer is bound to in
+# its namespace; the chart installs it and lets the operator bind it and nothing else.
+DISCOVERY_ROLE: Final = "kvplane-discovery"
+
 
 class Role(StrEnum):
     """The ``kvplane.io/role`` label: what a pod does for its InferencePool."""
@@ -118,6 +122,10 @@ def mooncake_name(pool: str) -> str:
     return fit(f"{pool}-mooncake")
 
 
+def engines_policy_name(pool: str) -> str:
+    return fit(f"{pool}-engines")
+
+
 def lmcache_config_name(pool: str) -> str:
     return fit(f"{pool}-lmcache")
 
@@ -169,13 +177,15 @@ def object_labels(
 HASH_ALGO: Final = "sha256_cbor"  # vLLM --prefix-caching-hash-algo: cross-language, seeded
 
 
-def generation_tag(spec: InferencePoolSpec) -> str:
-    """The model identity as a 12-hex tag (a valid label value).
+def generation_tag(spec: InferencePoolSpec, namespace: str, pool: str) -> str:
+    """The pool and its model identity as a 12-hex tag (a valid label value).
 
-    Wraps the router's tag (served name, revision, tokenizer, block size) and folds
-    into its tokenizer slot what else changes the engines' KV bytes or block hashes:
-    the weights' source, the engine kind, the hash algorithm and the hash seed. The
-    router gets this tag in its config, so it never needs the weights to agree.
+    Wraps the router's tag (served name, revision, tokenizer, block size, pool) and
+    folds into its tokenizer slot what else changes the engines' KV bytes or block
+    hashes: the weights' source, the engine kind, the hash algorithm and the hash
+    seed. The pool is ``namespace/name``: two pools of one model never share index
+    keys, so deleting one never removes the other's residency. The router gets this
+    tag in its config, so it never needs the weights to agree.
     """
     identity = json.dumps(
         {
@@ -188,7 +198,11 @@ def generation_tag(spec: InferencePoolSpec) -> str:
         sort_keys=True,
     )
     return _generation.generation_tag(
-        spec.model.served_name, spec.model.revision, identity, spec.engine.block_size
+        spec.model.served_name,
+        spec.model.revision,
+        identity,
+        spec.engine.block_size,
+        pool=f"{namespace}/{pool}",
     )
 
 

@@ -17,7 +17,9 @@ from kvplane.operator.render.engine import (
     pd_transfer,
 )
 from kvplane.operator.render.names import Role
+from kvplane.operator.render.network import network_policies
 from kvplane.operator.render.router import indexer_objects, router_objects
+from kvplane.operator.render.security import harden
 
 from kvplane.types import Json
 
@@ -32,13 +34,17 @@ def inference_pool_objects(
     tiers: Sequence[KVCacheTierSpec],
     default_image: str,
     generation: str | None = None,
+    discovery_role: str = names.DISCOVERY_ROLE,
 ) -> list[Json]:
     """``prefill``: (PrefillPool name, spec) or None (aggregated); ``decodes``: the
-    DecodePools by name; ``generation`` defaults to :func:`names.generation_tag`."""
-    generation = generation or names.generation_tag(ipool)
+    DecodePools by name; ``generation`` defaults to :func:`names.generation_tag`;
+    ``discovery_role`` is the ClusterRole routers and indexers are bound to."""
+    generation = generation or names.generation_tag(ipool, namespace, ipool_name)
     transfer = pd_transfer(prefill[1] if prefill else None, list(decodes.values()))
     disaggregated = prefill is not None
     objects: list[Json] = []
+    # policies before the pods they guard: no engine ever listens unprotected
+    objects += network_policies(ipool_name, namespace, ipool, transfer)
     objects += engine_config_maps(ipool_name, namespace, ipool, tiers)
     objects += stores.redis_objects(ipool_name, namespace, ipool)
     objects += stores.mooncake_objects(ipool_name, namespace, ipool, tiers)
@@ -71,5 +77,6 @@ def inference_pool_objects(
             default_image=default_image,
             disaggregated=disaggregated,
             transfer=transfer,
+            discovery_role=discovery_role,
         )
-    return objects
+    return [harden(o) for o in objects]

@@ -28,6 +28,8 @@ TOKENIZER_DIR: Final = f"{MODELS_DIR}/tokenizer"
 # a model directory baked into the engine image that it copies from.
 INIT_MOUNT: Final = "/kvplane-out"
 API_KEYS_DIR: Final = f"{CONFIG_DIR}/api-keys"
+# Admin keys (explain, /docs, residency headers): the optional Secret <router>-admin-keys.
+ADMIN_KEYS_DIR: Final = f"{CONFIG_DIR}/admin-keys"
 # No spec value: leave the length check to the engine, which knows the model's limit.
 UNBOUNDED_MODEL_LEN: Final = 2**31 - 1
 
@@ -136,9 +138,17 @@ def router_config(
         "cost": cost,
         "index": {"backend": "redis", "url": stores.index_url(ipool_name, namespace, ipool)},
     }
+    if ipool.tracing is not None:
+        config["tracing"] = {
+            "endpoint": ipool.tracing.endpoint,
+            "sampling_ratio": ipool.tracing.sampling_ratio,
+            "service_name": "kvplane-router",
+        }
     if disaggregated:
         # without it the router would send whole requests to prefill pods
         config["pd"] = pd_config(ipool, transfer or KVTransfer())
+    if route.api_keys_secret_ref is not None:  # the mounted Secrets (router_objects)
+        config["auth"] = {"api_keys": API_KEYS_DIR, "admin_keys": ADMIN_KEYS_DIR}
     RouterConfig.model_validate(config)
     return config
 
@@ -154,24 +164,24 @@ def config_map(ipool_name: str, namespace: str, config: Json) -> Json:
     )
 
 
-def discovery_rbac(name: str, namespace: str, labels: dict[str, str]) -> list[Json]:
-    """Read-only access to pods of its own namespace: all discovery needs."""
+def discovery_rbac(
+    name: str, namespace: str, labels: dict[str, str], cluster_role: str = names.DISCOVERY_ROLE
+) -> list[Json]:
+    """A ServiceAccount bound in its own namespace to the discovery ClusterRole (read
+    pods: all discovery needs). A binding, not a Role of its own: the operator may
+    bind that one ClusterRole and write no Role anywhere."""
     meta = k8s.metadata(name, namespace, labels)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": meta,
-            "rules": [
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
             "metadata": meta,
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "roleRef": {
+                "apiGroup": "rbac.authorization.k8s.io",
+                "kind": "ClusterRole",
+                "name": cluster_role,
+            },
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}],
         },
     ]
@@ -231,11 +241,13 @@ def router_objects(
     default_image: str,
     disaggregated: bool = False,
     transfer: KVTransfer | None = None,
+    discovery_role: str = names.DISCOVERY_ROLE,
 ) -> list[Json]:
     """ConfigMap, RBAC, Deployment and Service of the router.
 
     ``default_image`` is the operator's own image (it contains ``kvplane``), used
-    unless the spec names a router image.
+    unless the spec names a router image; ``discovery_role`` the ClusterRole that
+    lets it read pods.
     """
     config = router_config(
         ipool_name,
@@ -265,6 +277,9 @@ def router_objects(
         volumes.append(
             {"name": "api-keys", "secret": {"secretName": ipool.router.api_keys_secret_ref.name}}
         )
+        mounts.append({"name": "admin-keys", "mountPath": ADMIN_KEYS_DIR, "readOnly": True})
+        admin = {"secretName": f"{name}-admin-keys", "optional": True}
+        volumes.append({"name": "admin-keys", "secret": admin})
     container: Json = {
         "name": "router",
         "image": image,
@@ -324,7 +339,7 @@ def router_objects(
         [(names.PORT_HTTP, ipool.router.port, names.PORT_HTTP)],
         service_type=ipool.router.service_type.value,
     )
-    return [cm, *discovery_rbac(name, namespace, labels), deployment, svc]
+    return [cm, *discovery_rbac(name, namespace, labels, discovery_role), deployment, svc]
 
 
 def indexer_objects(
@@ -337,6 +352,7 @@ def indexer_objects(
     default_image: str,
     disaggregated: bool = False,
     transfer: KVTransfer | None = None,
+    discovery_role: str = names.DISCOVERY_ROLE,
 ) -> list[Json]:
     """RBAC, Deployment and metrics Service of the indexer (the router's ConfigMap).
 
@@ -405,4 +421,4 @@ def indexer_objects(
         selector,
         [(names.PORT_METRICS, names.INDEXER_METRICS_PORT, names.PORT_METRICS)],
     )
-    return [*discovery_rbac(name, namespace, labels), deployment, svc]
+    return [*discovery_rbac(name, namespace, labels, discovery_role), deployment, svc]

@@ -102,10 +102,9 @@ def _handoff_or_local(
     best decode pod prefilling alone (each the first of its kind in ``options``, sorted
     by the full score), compared without balance. Balance spreads decodes over the pods
     a request could decode on, but it is no reason to hand off: a handoff buys a less
-    loaded decode pod with certain TTFT (a second leg, a transfer, a decode step). On
-    GSP (bench pd --mode des, 32 GPUs, 8:24) counting it hands off 7% of the requests,
-    cache hits resident on a busier decode pod, at TTFT p90 1.29x aggregated; left out,
-    1.06x (docs/pd.md, Benchmark)."""
+    loaded decode pod with certain TTFT (a second leg, a transfer, a decode step):
+    counted in, shared-prefix cache hits resident on a busier decode pod get handed off
+    (bench/HISTORY.md, P/D points 9-10)."""
     handoff = next((o for o in options if o.prefill is not None), None)
     local = next((o for o in options if o.prefill is None), None)
     if handoff is None or local is None:
@@ -128,10 +127,9 @@ def _alone_on_prefill(
     of and lack no more of than a decode pod may prefill itself, while the pod and most
     of its pool have no prefill in flight. A prefill pod holds every prefix it computed,
     so a shared prefix's follow-ups can use the idle prefill pool's GPUs instead of
-    queueing on the one decode pod its first request went to (GSP on 8:24 goes from
-    1.04-1.09x aggregated's TTFT p90 to 0.95-1.00x; docs/pd.md, Benchmark point 11).
-    A busy pool keeps them: a decode there would sit through long prefills and slow
-    them (Mooncake served 10% of its requests so, and its TTFT p90 rose 5%)."""
+    queueing on the one decode pod its first request went to. A busy pool keeps them: a
+    decode there would sit through long prefills and slow them (bench/HISTORY.md, P/D
+    point 11)."""
     pd = model.pd
     if not pd.prefill_serves_resident or not alone_loads:
         return []

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -27,9 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from kvplane.router import tracing
 from kvplane.router.config import BackendRole, PDConnector, PDSpec, RouterConfig
 from kvplane.router.cost import CostModel
-from kvplane.router.errors import APIError, sse_error
+from kvplane.router.errors import APIError, describe, sse_error
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
 from kvplane.router.load import Attempt, Booking
 from kvplane.router.pd import protocols
@@ -71,6 +73,7 @@ class PDRouted:
     decision: PDDecision
     matches: PrefixMatches | None
     booking: Booking = field(default_factory=Booking)
+    max_tokens: int | None = None  # as requested (telemetry)
 
 
 @dataclass
@@ -177,7 +180,9 @@ class PDService:
 
     async def route(self, req: ParsedRequest) -> PDRouted:
         tokens, keys = await self.pipeline.tokens_and_keys(req)
-        return await self.decide(tokens, keys, protocols.multi_sequence(req.body))
+        with tracing.span("kvplane.choose"):
+            routed = await self.decide(tokens, keys, protocols.multi_sequence(req.body))
+        return dataclasses.replace(routed, max_tokens=req.max_tokens)
 
     async def decide(self, tokens: list[int], keys: list[int], multi: bool = False) -> PDRouted:
         prefill, decode = self.candidates()
@@ -478,12 +483,18 @@ class PDService:
         attempt.begin()
         url = state.backend.url.rstrip("/") + path
         try:
-            r = await self.client.post(
-                url, content=raw, headers=headers, timeout=self._prefill_timeout()
-            )
+            with tracing.span("kvplane.pd.prefill", True):
+                if tracing.on():
+                    tracing.set_attributes(pod=pod)
+                r = await self.client.post(
+                    url,
+                    content=raw,
+                    headers=tracing.inject(headers),
+                    timeout=self._prefill_timeout(),
+                )
         except httpx.TransportError as exc:
-            self.pool.mark_unhealthy(pod)
-            raise LegFailed(pod, f"{type(exc).__name__}: {exc}") from exc
+            self.pool.mark_unhealthy(pod, f"prefill leg: {describe(exc)}")
+            raise LegFailed(pod, describe(exc)) from exc
         finally:
             attempt.end()
         if r.status_code >= 500:
@@ -519,12 +530,17 @@ class PDService:
         routed.booking.release()
         url = state.backend.url.rstrip("/") + path
         try:
-            req = self.client.build_request("POST", url, content=raw, headers=headers)
-            resp = await self.client.send(req, stream=True)
+            with tracing.span("kvplane.pd.decode", True):
+                if tracing.on():
+                    tracing.set_attributes(pod=pod)  # the span ends at its first byte
+                req = self.client.build_request(
+                    "POST", url, content=raw, headers=tracing.inject(headers)
+                )
+                resp = await self.client.send(req, stream=True)
         except httpx.TransportError as exc:
             attempt.end()
-            self.pool.mark_unhealthy(pod)
-            raise LegFailed(pod, f"{type(exc).__name__}: {exc}") from exc
+            self.pool.mark_unhealthy(pod, f"decode leg: {describe(exc)}")
+            raise LegFailed(pod, describe(exc)) from exc
         except BaseException:
             attempt.end()
             raise
@@ -595,12 +611,16 @@ class PDService:
         m.pd_decisions.labels(**m.labels, reason=served.reason).inc()
         m.decisions.labels(**m.labels, reason=served.reason, pod=served.decode).inc()
         if served.prefill is None:
-            return routed.decision.aggregated.get(served.decode)
-        option = _pair_option(routed.decision, served.prefill, served.decode)
+            option = routed.decision.aggregated.get(served.decode)
+        else:
+            option = _pair_option(routed.decision, served.prefill, served.decode)
+            m.pd_pairs.labels(**m.labels, prefill=served.prefill, decode=served.decode).inc()
         if option is not None and option.link is not None:
             link = option.link.value
             m.pd_transfer_bytes.labels(**m.labels, link=link).inc(option.transfer_bytes)
             m.pd_transfer_seconds.labels(**m.labels, link=link).observe(option.transfer_ms / 1000)
+        terms = option.prefill_terms if option is not None else None
+        m.chose(terms, routed.max_tokens, option.ttft_ms if option is not None else None)
         return option
 
     async def _respond(

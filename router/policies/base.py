@@ -55,11 +55,32 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyContext:
+    """What a policy is built from: the cost model and its own options."""
+
+    cost: CostModel
+    options: Options
+
+
 class Policy(Protocol):
     name: ClassVar[str]
     uses_index: ClassVar[bool]  # asks the index before choosing
 
     def choose(self, inp: RoutingInput) -> Decision: ...
+
+
+class BasePolicy:
+    """What most policies share: no index, no options of their own, the build context
+    kept (``self.cost``, ``self.options``)."""
+
+    name: ClassVar[str]
+    uses_index: ClassVar[bool] = False
+    options: ClassVar[type[Options]] = Options
+
+    def __init__(self, ctx: PolicyContext) -> None:
+        self.cost = ctx.cost
+        self.opts = ctx.options
 
 
 Fallback = Callable[[RoutingInput], Decision]
@@ -76,11 +97,3 @@ async def route(
     if matches is None:
         return index_down(inp), None
     return policy.choose(replace(inp, matches=matches)), matches
-
-
-@dataclass(frozen=True, slots=True)
-class PolicyContext:
-    """What a policy is built from: the cost model and its own options."""
-
-    cost: CostModel
-    options: Options

@@ -15,7 +15,7 @@ from typing import ClassVar
 from kvplane.router.config import CostParams
 from kvplane.router.cost import CostModel, PodLoad
 from kvplane.router.index.base import PrefixMatches
-from kvplane.router.policies.base import Decision, Options, PolicyContext, RoutingInput
+from kvplane.router.policies.base import BasePolicy, Decision, RoutingInput
 from kvplane.router.policies.registry import register
 
 
@@ -76,13 +76,9 @@ def choose_by_cost(
 
 
 @register
-class CostPolicy:
+class CostPolicy(BasePolicy):
     name: ClassVar[str] = "cost"
     uses_index: ClassVar[bool] = True
-    options: ClassVar[type[Options]] = Options
-
-    def __init__(self, ctx: PolicyContext) -> None:
-        self._model = ctx.cost
 
     def choose(self, inp: RoutingInput) -> Decision:
-        return choose_by_cost(self._model, inp.prompt_tokens, inp.matches or {}, inp.loads)
+        return choose_by_cost(self.cost, inp.prompt_tokens, inp.matches or {}, inp.loads)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from kvplane.router.cost import PodLoad
-from kvplane.router.policies.base import Decision, Options, PolicyContext, RoutingInput
+from kvplane.router.policies.base import BasePolicy, Decision, RoutingInput
 from kvplane.router.policies.registry import register
 
 
@@ -15,13 +15,8 @@ def least_loaded_order(loads: Mapping[str, PodLoad]) -> list[str]:
 
 
 @register
-class LeastLoaded:
+class LeastLoaded(BasePolicy):
     name: ClassVar[str] = "least_loaded"
-    uses_index: ClassVar[bool] = False
-    options: ClassVar[type[Options]] = Options
-
-    def __init__(self, ctx: PolicyContext) -> None:
-        pass
 
     def choose(self, inp: RoutingInput) -> Decision:
         ranked = least_loaded_order(inp.loads)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Annotated, ClassVar
 
 from kvplane.router.cost import PodLoad
-from kvplane.router.policies.base import Decision, Options, PolicyContext, RoutingInput
+from kvplane.router.policies.base import BasePolicy, Decision, Options, PolicyContext, RoutingInput
 from kvplane.router.policies.least_loaded import least_loaded_order
 from kvplane.router.policies.registry import register
 from kvplane.router.tiers import Tier
@@ -42,12 +42,13 @@ def queued_tokens(load: PodLoad) -> float:
 
 
 @register
-class PrefixAffinity:
+class PrefixAffinity(BasePolicy):
     name: ClassVar[str] = "prefix_affinity"
     uses_index: ClassVar[bool] = True
     options: ClassVar[type[Options]] = AffinityOptions
 
     def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
         assert isinstance(ctx.options, AffinityOptions)
         self._limit = ctx.options.saturation_tokens
 

@@ -51,7 +51,19 @@ def policy_names() -> list[str]:
 
 
 def options_model(name: str) -> type[Options]:
+    """The policy's options model; raises ValueError for an unknown name."""
     return _get(name).options
+
+
+def check_policy(name: str) -> str:
+    """``name`` if it is a policy (for config validators), else ValueError."""
+    _get(name)
+    return name
+
+
+def check_options(name: str, options: Mapping[str, Any]) -> None:
+    """The policy's options are valid, else pydantic's ValidationError."""
+    _get(name).options.model_validate(dict(options))
 
 
 def make_policy(name: str, cost: CostModel, options: Mapping[str, Any] | None = None) -> Policy:

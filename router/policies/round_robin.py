@@ -5,17 +5,16 @@ from __future__ import annotations
 import itertools
 from typing import ClassVar
 
-from kvplane.router.policies.base import Decision, Options, PolicyContext, RoutingInput
+from kvplane.router.policies.base import BasePolicy, Decision, PolicyContext, RoutingInput
 from kvplane.router.policies.registry import register
 
 
 @register
-class RoundRobin:
+class RoundRobin(BasePolicy):
     name: ClassVar[str] = "round_robin"
-    uses_index: ClassVar[bool] = False
-    options: ClassVar[type[Options]] = Options
 
     def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
         self._counter = itertools.count()
 
     def choose(self, inp: RoutingInput) -> Decision:

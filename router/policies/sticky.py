@@ -9,13 +9,7 @@ from typing import ClassVar
 
 import xxhash
 from kvplane.router.cost import CostModel
-from kvplane.router.policies.base import (
-    Decision,
-    Options,
-    PolicyContext,
-    Reason,
-    RoutingInput,
-)
+from kvplane.router.policies.base import BasePolicy, Decision, Reason, RoutingInput
 from kvplane.router.policies.registry import register
 
 
@@ -49,14 +43,9 @@ def index_down(model: CostModel, inp: RoutingInput) -> Decision:
 
 
 @register
-class Sticky:
+class Sticky(BasePolicy):
     name: ClassVar[str] = "sticky"
-    uses_index: ClassVar[bool] = False
-    options: ClassVar[type[Options]] = Options
-
-    def __init__(self, ctx: PolicyContext) -> None:
-        self._model = ctx.cost
 
     def choose(self, inp: RoutingInput) -> Decision:
-        ranked = sticky_ranking(self._model, inp)
+        ranked = sticky_ranking(self.cost, inp)
         return Decision(ranked[0], self.name, ranked, {})

@@ -87,6 +87,21 @@ CONTROLLERS = (
 )
 
 
+# Metadata of every request but the admin's (the control plane components and kwok run as
+# the admin): tests count what an operator running as a ServiceAccount asked for.
+AUDIT_POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: None
+    users: [kvplane-admin, "system:apiserver"]
+  - level: None
+    userGroups: ["system:nodes"]
+  - level: Metadata
+"""
+
+
 class K8sError(RuntimeError):
     """The control plane could not be built, started or used."""
 
@@ -206,6 +221,8 @@ class _Component:
     name: str
     proc: subprocess.Popen[bytes]
     log: Path
+    args: list[str] = field(default_factory=list)
+    home: Path | None = None
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -277,7 +294,59 @@ class K8sCluster:
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )
-        self._components.append(_Component(name, proc, log))
+        self._components.append(_Component(name, proc, log, list(args), home))
+
+    def restart_component(self, name: str, timeout_s: float = 10.0) -> None:
+        """Stop one component (SIGTERM to its group, SIGKILL after ``timeout_s``) and
+        start it again with the same arguments; the caller waits for it to be ready
+        (``wait_api_ready`` for the API server)."""
+        old = self.component(name)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.proc.pid, signal.SIGTERM)
+        try:
+            old.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(old.proc.pid, signal.SIGKILL)
+            old.proc.wait(10)
+        index = self._components.index(old)
+        self._components.remove(old)
+        self.start_component(name, old.args, home=old.home)
+        self._components.insert(index, self._components.pop())
+
+    def wait_api_ready(self, timeout_s: float = 120.0) -> None:
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        self.wait_until(
+            "kube-apiserver /readyz",
+            lambda: _http_ok(f"{self.server}/readyz", ctx=ctx, token=self.admin_token),
+            timeout_s=timeout_s,
+            component="kube-apiserver",
+            interval_s=0.2,
+        )
+
+    # -- the audit log
+
+    @property
+    def audit_log(self) -> Path:
+        """Every request of a user other than the admin (the control plane's own
+        components use the admin kubeconfig), one JSON event per line."""
+        return self.workdir / "logs" / "audit.log"
+
+    def audit_events(self, user: str | None = None) -> list[dict[str, Any]]:
+        """The audit log's events (one per request: stage ResponseComplete, or
+        ResponseStarted for a watch that has not ended), of ``user`` if given."""
+        if not self.audit_log.exists():
+            return []
+        by_id: dict[str, dict[str, Any]] = {}
+        for line in self.audit_log.read_text(errors="replace").splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a line being written
+            if user is not None and event.get("user", {}).get("username") != user:
+                continue
+            by_id[event["auditID"]] = event
+        return list(by_id.values())
 
     def component(self, name: str) -> _Component:
         for c in self._components:
@@ -647,6 +716,7 @@ def _launch(cluster: K8sCluster, *, api_port: int, ports: list[int], scale: floa
         component="etcd",
     )
 
+    (work / "audit-policy.yaml").write_text(AUDIT_POLICY)
     cluster.start_component(
         "kube-apiserver",
         [
@@ -668,6 +738,11 @@ def _launch(cluster: K8sCluster, *, api_port: int, ports: list[int], scale: floa
             f"--service-cluster-ip-range={SERVICE_CIDR}",
             "--allow-privileged=true",
             "--profiling=false",
+            f"--audit-policy-file={work / 'audit-policy.yaml'}",
+            f"--audit-log-path={cluster.audit_log}",
+            "--audit-log-format=json",
+            "--audit-log-maxsize=200",
+            "--audit-log-maxbackup=1",
             "--v=1",
         ],
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import time
 from collections.abc import Iterator, Mapping
@@ -12,6 +13,7 @@ import httpx
 from fastapi import FastAPI
 from kvplane.router.app import Router, create_app
 from kvplane.router.config import RouterConfig
+from kvplane.router.serving import RouterServerConfig
 
 from kvplane.local.serve import serve_in_thread
 
@@ -55,7 +57,7 @@ def serve_router(
     config: RouterConfig, embedded_indexer: bool | None = None
 ) -> Iterator[RunningRouter]:
     app = create_app(config, embedded_indexer=embedded_indexer)
-    with serve_in_thread(app) as port:
+    with serve_in_thread(app, config=functools.partial(RouterServerConfig, router=config)) as port:
         yield RunningRouter(app, port)
 
 

@@ -62,46 +62,60 @@ app.kubernetes.io/part-of: kvplane
      tests/test_chart.py runs the operator with nothing else, and checks that
      config/rbac (kustomize) grants exactly the same. No wildcards. */}}
 
+{{/* The ClusterRole every router and indexer is bound to (in its own namespace). */}}
+{{- define "kvplane.discoveryRole" -}}
+{{- printf "%s-discovery" (include "kvplane.clusterName" . | trunc 53 | trimSuffix "-") -}}
+{{- end -}}
+
 {{/* Rules that apply inside every watched namespace (cluster-wide mode: everywhere). */}}
 {{- define "kvplane.rbac.namespacedRules" -}}
-# The kvplane resources. The operator reads all four; kopf patches InferencePools (its
-# progress annotations, and a finalizer on pools with an external index).
+# The kvplane resources, read through watches. kopf patches InferencePools (a finalizer
+# on pools with an external index, and its annotations on them).
 - apiGroups: [kvplane.io]
   resources: [inferencepools]
   verbs: [get, list, watch, patch]
 - apiGroups: [kvplane.io]
-  resources: [prefillpools, decodepools, kvcachetiers]
-  verbs: [get, list, watch]
-# Reconcile results: conditions, router endpoint, replica counts.
+  resources: [kvcachetiers]
+  verbs: [list, watch]
+# The P:D planner with mode: apply sets spec.replicas of an engine pool (server-side apply).
 - apiGroups: [kvplane.io]
-  resources: [inferencepools/status, prefillpools/status, decodepools/status]
+  resources: [prefillpools, decodepools]
+  verbs: [list, watch, patch]
+# Reconcile results: conditions, router endpoint, replica counts, tier use.
+- apiGroups: [kvplane.io]
+  resources: [inferencepools/status, prefillpools/status, decodepools/status, kvcachetiers/status]
   verbs: [patch]
-# Owned Deployments: server-side apply (patch; create when new), read for status, watched
-# (rollouts trigger a reconcile), listed and deleted when pruned.
+# What the operator renders: server-side apply (patch; create when new), watched (by the
+# managed-by label: drift is repaired from the watch, and rollouts update the status),
+# deleted when pruned.
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [get, list, watch, create, patch, delete]
-# The other owned objects: server-side apply, listed and deleted when pruned.
+  verbs: [list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [services, configmaps, serviceaccounts]
-  verbs: [list, create, patch, delete]
-- apiGroups: [rbac.authorization.k8s.io]
-  resources: [roles, rolebindings]
-  verbs: [list, create, patch, delete]
-# Autoscaled engine pools (spec.autoscaling) get an HPA.
+  verbs: [list, watch, create, patch, delete]
 - apiGroups: [autoscaling]
   resources: [horizontalpodautoscalers]
-  verbs: [list, create, patch, delete]
-# Never read by the operator: it grants each router a Role to discover engine pods, and
-# RBAC only lets it grant what it holds itself.
-- apiGroups: [""]
-  resources: [pods]
-  verbs: [get, list, watch]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [list, watch, create, patch, delete]
+# Each router and indexer gets a RoleBinding to the discovery ClusterRole, the one role
+# the operator may bind: it writes no Role, and cannot grant anything else it holds.
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [rolebindings]
+  verbs: [list, watch, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [clusterroles]
+  verbs: [bind]
+  resourceNames: [{{ include "kvplane.discoveryRole" . }}]
+{{- if or .Values.watchNamespaces .Values.rbac.readSecrets }}
 # The password of an external index (spec.index.external.passwordSecretRef): deleting
 # such a pool removes its residency keys from that Redis.
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
+{{- end }}
 # kopf reports handler failures as Events.
 - apiGroups: [""]
   resources: [events]

@@ -70,7 +70,8 @@ class ConfigMount:
 class EngineAdapter(Protocol):
     kind: ClassVar[Engine]
     command: ClassVar[list[str]]
-    # per-pod metric (as a Prometheus adapter exposes it) for each autoscaling signal
+    # the engine's own per-pod Prometheus metric for each engine autoscaling signal
+    # (render/autoscaling.py: the name the Prometheus adapter serves it under)
     scale_metrics: ClassVar[Mapping[ScaleSignal, str]]
 
     def args(self, pod: EnginePod) -> list[str]: ...

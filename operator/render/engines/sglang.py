@@ -154,8 +154,8 @@ class SglangAdapter:
     kind: ClassVar[Engine] = Engine.SGLANG
     command: ClassVar[list[str]] = COMMAND
     scale_metrics: ClassVar[Mapping[ScaleSignal, str]] = {
-        ScaleSignal.KV_CACHE_PRESSURE: "sglang_token_usage",
-        ScaleSignal.QUEUE_DEPTH: "sglang_num_queue_reqs",
+        ScaleSignal.KV_CACHE_PRESSURE: "sglang:token_usage",
+        ScaleSignal.QUEUE_DEPTH: "sglang:num_queue_reqs",
     }
 
     def args(self, pod: EnginePod) -> list[str]:

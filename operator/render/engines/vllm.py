@@ -195,6 +195,11 @@ def vllm_args(e: EnginePod) -> list[str]:
     connector = kv_transfer_config(e)
     if connector is not None:
         args += ["--kv-transfer-config", compact_json(connector)]
+    traces = ipool.tracing
+    if traces is not None and traces.engines:
+        # vLLM's OTLP/HTTP exporter takes the full URL (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+        # in vllm_env); it joins the router's trace by the traceparent header
+        args += ["--otlp-traces-endpoint", traces.endpoint.rstrip("/") + "/v1/traces"]
     return args + list(ipool.engine.extra_args) + list(pool.extra_args)
 
 
@@ -216,17 +221,20 @@ def vllm_env(e: EnginePod) -> list[Json]:
             )
     if e.plan.uses_lmcache:
         env.append({"name": "LMCACHE_CONFIG_FILE", "value": LMCACHE_CONFIG_FILE})
+    if e.ipool.tracing is not None and e.ipool.tracing.engines:
+        env += [
+            {"name": "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "value": "http/protobuf"},
+            {"name": "OTEL_SERVICE_NAME", "value": f"vllm-{e.role.value}"},
+        ]
     return env + [dict(v) for v in e.ipool.engine.env]
 
 
 class VllmAdapter:
     kind: ClassVar[Engine] = Engine.VLLM
     command: ClassVar[list[str]] = COMMAND
-    # ":" is not allowed in custom metric names: vllm:kv_cache_usage_perc becomes
-    # vllm_kv_cache_usage_perc behind a Prometheus adapter
     scale_metrics: ClassVar[Mapping[ScaleSignal, str]] = {
-        ScaleSignal.KV_CACHE_PRESSURE: "vllm_kv_cache_usage_perc",
-        ScaleSignal.QUEUE_DEPTH: "vllm_num_requests_waiting",
+        ScaleSignal.KV_CACHE_PRESSURE: "vllm:kv_cache_usage_perc",
+        ScaleSignal.QUEUE_DEPTH: "vllm:num_requests_waiting",
     }
 
     def args(self, pod: EnginePod) -> list[str]:
