@@ -60,7 +60,9 @@ def _indexer(args: argparse.Namespace) -> int:
     from kvplane.router.indexer_main import run_indexer
 
     _load(args.config)
-    code: int = asyncio.run(run_indexer(args.config, args.metrics_port))
+    code: int = asyncio.run(
+        run_indexer(args.config, args.metrics_port, indexer_id=args.id, lease_s=args.lease_s)
+    )
     return code
 
 
@@ -85,6 +87,14 @@ def _bench_routing(args: argparse.Namespace) -> int:
 
     args.argv_echo = sys.argv[3:]
     routing.run(args)
+    return 0
+
+
+def _bench_index(args: argparse.Namespace) -> int:
+    from kvplane.bench import index
+
+    args.argv_echo = sys.argv[3:]
+    index.run(args)
     return 0
 
 
@@ -201,6 +211,17 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("indexer", help="ingest engine KV events into the Redis residency index")
     i.add_argument("--config", required=True, help="router config (YAML): backends and index")
     i.add_argument("--metrics-port", type=int, default=9090, help="0 disables /metrics")
+    i.add_argument(
+        "--id",
+        default=None,
+        help="this indexer's id among a pool's indexers (default: host, pid and a random part)",
+    )
+    i.add_argument(
+        "--lease-s",
+        type=float,
+        default=10.0,
+        help="a pod's stream lease: a dead indexer's pods move to others within it",
+    )
     i.set_defaults(handler=_indexer)
 
     d = sub.add_parser(
@@ -290,6 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     tail_arguments(t)
     t.set_defaults(handler=_bench_tail)
+    x = bsub.add_parser(
+        "index", help="the residency index: ingest rate, lookup latency, memory, shard skew"
+    )
+    from kvplane.bench.index import add_arguments as index_arguments
+
+    index_arguments(x)
+    x.set_defaults(handler=_bench_index)
     s = bsub.add_parser(
         "soak", help="the router under steady traffic for a long time: memory, FDs, index size"
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ from kvplane.operator.compare import covers
 from kvplane.operator.conditions import Problem, Workload, condition, pool_conditions, workload_of
 from kvplane.operator.desired import EnginePool, Rendered, desired_objects
 from kvplane.operator.informer import Informer
+from kvplane.operator.render import stores
 from kvplane.operator.render.tiers import RenderError, plan_tiers, store_address
 from kvplane.operator.settings import FIELD_MANAGER, OperatorSettings
 from kvplane.operator.workqueue import RETRY, Result
@@ -178,6 +180,11 @@ class Writer:
         self._check()
         await self.client.delete(kind, namespace, name)
 
+    async def create(self, obj: Json) -> bool:
+        """Create ``obj`` unless it exists (never overwrites); True if created."""
+        self._check()
+        return await self.client.create(obj)
+
     async def status(self, obj: Json, kind: str, status: Json) -> bool:
         """Patch ``status`` unless the cached object already says it; True if written."""
         if covers(obj.get("status") or {}, status):
@@ -217,6 +224,8 @@ class Reconcile:
     _rendered: dict[tuple[str, str], tuple[Any, Rendered | None, list[Problem]]] = field(
         default_factory=dict
     )
+    # pools (by uid) whose managed Redis' password Secret is known to exist
+    _secrets: set[str] = field(default_factory=set)
 
     def _render(self, inputs: Inputs) -> tuple[Rendered | None, list[Problem]]:
         meta = inputs.ipool["metadata"]
@@ -246,6 +255,23 @@ class Reconcile:
     def forget(self, namespace: str, name: str) -> None:
         self._rendered.pop((namespace, name), None)
 
+    async def _ensure_index_secret(self, inputs: Inputs) -> None:
+        """The managed Redis' password, made once: a random one, never rendered (rendering
+        is pure, and a render would rotate it), so neither watched nor pruned: it is only
+        created (``create`` is the one Secret verb this needs: no Secret is read) and goes
+        with the pool (owner reference). Asked once per pool and process, so a pool at
+        rest makes no request."""
+        meta = inputs.ipool["metadata"]
+        if inputs.spec is None or stores.managed_redis(inputs.spec) is None:
+            return
+        if meta["uid"] in self._secrets:
+            return
+        secret = stores.index_secret(meta["name"], meta["namespace"], secrets.token_urlsafe(32))
+        secret["metadata"]["ownerReferences"] = [_owner(inputs.ipool)]
+        if await self.writer.create(secret):
+            log.info("created the index password of %s/%s", meta["namespace"], meta["name"])
+        self._secrets.add(meta["uid"])
+
     async def pool(self, namespace: str, name: str, settle_left_s: float) -> Result:
         """``settle_left_s``: how long until the pool's inputs have been quiet long
         enough for its first render."""
@@ -271,6 +297,7 @@ class Reconcile:
         retry = False
         if rendered is not None and not hold:
             try:
+                await self._ensure_index_secret(inputs)
                 refused = await self._apply(rendered.objects, owned)
                 problems += refused
                 retry = bool(refused)

@@ -27,7 +27,7 @@ from kvplane.router.errors import APIError
 from kvplane.router.forwarder import Forwarder
 from kvplane.router.generation import generation_tag
 from kvplane.router.headers import HeaderPolicy
-from kvplane.router.index.base import ResidencyIndex
+from kvplane.router.index.base import Blocks, ResidencyIndex
 from kvplane.router.index.guarded import GuardedIndex
 from kvplane.router.index.instrumented import InstrumentedIndex
 from kvplane.router.index.memory import MemoryIndex
@@ -60,17 +60,25 @@ def pool_generation(config: RouterConfig) -> str:
     return generation_tag(m.name, m.revision, tokenizer, m.block_size, pool=config.pool)
 
 
-def make_index(config: RouterConfig, generation: str) -> ResidencyIndex:
+def make_index(config: RouterConfig, generation: str, owner: str | None = None) -> ResidencyIndex:
+    """The configured index; ``owner``: an indexer's id when streams are leased."""
     if config.index.backend == "redis":
-        return RedisIndex(
-            config.index.url,
-            generation,
-            # lookups are cut at lookup_timeout_ms by the GuardedIndex, not the socket
-            config.index.io_timeout_ms / 1000,
-            # an external index's password comes from a Secret (the operator sets the env)
-            password=os.environ.get("KVPLANE_INDEX_PASSWORD") or None,
-        )
+        return make_redis_index(config, generation, owner)
     return MemoryIndex()
+
+
+def make_redis_index(config: RouterConfig, generation: str, owner: str | None = None) -> RedisIndex:
+    return RedisIndex(
+        config.index.url,
+        generation,
+        # lookups are cut at lookup_timeout_ms by the GuardedIndex, not the socket
+        config.index.io_timeout_ms / 1000,
+        # the index's password comes from a Secret (the operator sets the env)
+        password=os.environ.get("KVPLANE_INDEX_PASSWORD") or None,
+        window_s=config.cost.tentative_ttl_s,  # a mark lives at most one window
+        owner=owner,
+        ca_file=config.index.tls_ca_file,
+    )
 
 
 def make_discovery(config: RouterConfig) -> Discovery:
@@ -473,7 +481,7 @@ class _Answer:
         routed = self._routed
         # only the blocks the pod does not hold already need a mark (a shared prefix: few)
         held = routed.matches.get(pod, {}).get(Tier.HBM, 0) if routed.matches else 0
-        self._mark(pod, routed.prompt.keys[held:])
+        self._mark(pod, routed.prompt.keys, held)
         return _headers(routed, self._request_id, pod, attempts, self._level)
 
     def reported(self, cached_tokens: int) -> None:
@@ -493,13 +501,14 @@ class _Answer:
         self._router.pool.observe_prompt(len(tokens))
         prompt = self._routed.prompt
         if prompt.partial and self._served is not None:  # the tail's blocks, now keyed
-            self._mark(self._served, keys[len(prompt.keys) :])
+            self._mark(self._served, keys, len(prompt.keys))
 
-    def _mark(self, pod: str, keys: list[int]) -> None:
-        """The pod will hold these blocks until its events say otherwise."""
-        if keys:
+    def _mark(self, pod: str, keys: list[int], start: int) -> None:
+        """The pod will hold ``keys[start:]`` until its events say otherwise."""
+        if len(keys) > start:
             ttl = self._router.config.cost.tentative_ttl_s
-            task = asyncio.create_task(self._router.index.mark_tentative(pod, keys, ttl))
+            blocks = Blocks.of_prompt(keys, start)
+            task = asyncio.create_task(self._router.index.mark_tentative(pod, blocks, ttl))
             task.add_done_callback(_log_task_error)
 
 

@@ -44,6 +44,7 @@ class ModelSpec(_Strict):
     )
     generation: str | None = Field(
         default=None,
+        pattern=r"^[A-Za-z0-9._-]{1,64}$",  # a part of the index's key names
         description="the pool's generation tag (the operator sets it); by default derived "
         "from name, revision, the tokenizer files and block size",
     )
@@ -240,7 +241,16 @@ class TracingConfig(_Strict):
 
 class IndexSpec(_Strict):
     backend: str = Field(default="memory", pattern="^(memory|redis)$")
-    url: str = "redis://127.0.0.1:6379/0"
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="one Redis or any node of a Redis Cluster (asked of the server); "
+        "rediss:// for TLS. The password comes from KVPLANE_INDEX_PASSWORD",
+    )
+    tls_ca_file: str | None = Field(
+        default=None,
+        description="CA bundle that a rediss:// index's certificate chains to "
+        "(default: the system's)",
+    )
     lookup_timeout_ms: Annotated[float, Field(gt=0)] = Field(
         default=50.0, description="a routing lookup slower than this routes without the index"
     )

@@ -252,6 +252,29 @@ class Kube:
 
         return await self._call(request, write=True)
 
+    async def create(self, obj: Json) -> bool:
+        """Create ``obj``; False if it exists already (left as it is)."""
+        dyn, res = await self._resource(obj["kind"])
+        meta = obj["metadata"]
+
+        async def request() -> bool:
+            resp = await dyn.create(
+                res,
+                body=obj,
+                namespace=meta.get("namespace"),
+                serialize=False,
+                _request_timeout=REQUEST_TIMEOUT_S,
+            )
+            try:
+                await _body(resp)
+            except KubeAPIError as exc:
+                if exc.status == 409:
+                    return False
+                raise
+            return True
+
+        return await self._call(request, write=True)
+
     async def patch_status(self, kind: str, namespace: str, name: str, status: Json) -> None:
         """Merge-patch the status subresource."""
         dyn, res = await self._resource(kind)

@@ -8,6 +8,8 @@ into the local control plane (docs/k8s-test-env.md).
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -23,8 +25,12 @@ from pathlib import Path
 import pytest
 import yaml
 from kopf.testing import KopfRunner
+from kvplane.router.index.base import Blocks
+from kvplane.router.index.redis import RedisIndex
+from kvplane.router.tiers import Tier
 from support.k8s_cluster import K8sCluster, K8sError, find_bin_dir
 
+from kvplane.local import redis as local_redis
 from kvplane.types import Json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -139,6 +145,12 @@ MODES: dict[str, dict[str, str]] = {
         "dashboards.annotations.grafana_folder": "kvplane",
     },
     "minimal": {"dashboards.enabled": "false", "rbac.create": "false"},
+    "redis-cluster": {
+        "redis.enabled": "true",
+        "redis.cluster.enabled": "true",
+        "redis.cluster.shards": "5",
+        "redis.cluster.storage": "64Mi",
+    },
 }
 
 
@@ -388,6 +400,7 @@ def namespaced_rules(discovery: str = DISCOVERY) -> set[Rule]:
         | {(g, r, v) for g, r in RENDERED for v in ("list", "watch", "create", "patch", "delete")}
         | {("rbac.authorization.k8s.io", f"clusterroles:{discovery}", "bind")}
         | {("", "events", "create")}
+        | {("", "secrets", "create")}  # the managed Redis' password, made once
     )
 
 
@@ -399,7 +412,7 @@ KOPF_CLUSTER_RULES: set[Rule] = {
 
 
 def test_cluster_wide_rbac_is_exactly_what_the_operator_needs(render: Render) -> None:
-    """No Secret, no Role, no pods: the operator binds one ClusterRole for discovery."""
+    """No Secret read, no Role, no pods: the operator binds one ClusterRole for discovery."""
     objs = render()
     (role,) = operator_roles(objs)
     assert not find(objs, "Role") and not find(objs, "RoleBinding")
@@ -475,6 +488,69 @@ def test_optional_redis_and_samples(render: Render) -> None:
     assert pool["metadata"]["namespace"] == decode["metadata"]["namespace"] == "ml"
     assert decode["spec"]["poolRef"]["name"] == pool["metadata"]["name"]
     assert pool["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
+
+
+def test_optional_redis_requires_a_generated_password(render: Render) -> None:
+    objs = render(**{"redis.enabled": "true"})
+    secret = one(objs, "Secret", f"{RELEASE}-kvplane-redis-auth")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    conf = base64.b64decode(secret["data"]["redis.conf"]).decode()
+    assert len(password) == 32 and f"requirepass {password}" in conf
+    (c,) = one(objs, "Deployment", f"{RELEASE}-kvplane-redis")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    assert c["args"][:2] == ["redis-server", "/etc/kvplane-redis/redis.conf"]
+    assert "--protected-mode" not in c["args"] and password not in json.dumps(c)
+    assert c["env"][0]["name"] == "REDISCLI_AUTH"
+
+
+def test_optional_redis_cluster(render: Render) -> None:
+    objs = render(**MODES["redis-cluster"], namespace="ml")
+    name = f"{RELEASE}-kvplane-redis"
+    sts = one(objs, "StatefulSet", name)
+    assert sts["spec"]["replicas"] == 5 and sts["spec"]["serviceName"] == f"{name}-nodes"
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["args"][c["args"].index("--cluster-enabled") + 1] == "yes"
+    claim = sts["spec"]["volumeClaimTemplates"][0]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "64Mi"
+    headless = one(objs, "Service", f"{name}-nodes")
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"]
+    job = one(objs, "Job", f"{name}-create")
+    (j,) = job["spec"]["template"]["spec"]["containers"]
+    nodes = env_of(j)["NODES"].split()
+    assert nodes == [f"{name}-{i}.{name}-nodes.ml.svc:6379" for i in range(5)]
+    assert not find(objs, "Deployment", name)
+
+
+def test_the_cluster_job_forms_a_cluster_the_index_uses(render: Render, tmp_path: Path) -> None:
+    """The Job's script, run against three redis-servers in cluster mode with the chart's
+    password config: the cluster forms, a second run leaves it alone, and the index
+    spreads over its nodes."""
+    objs = render(**MODES["redis-cluster"])
+    script = one(objs, "Job")["spec"]["template"]["spec"]["containers"][0]["args"][0]
+    secret = one(objs, "Secret")
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    conf = tmp_path / "redis.conf"
+    conf.write_bytes(base64.b64decode(secret["data"]["redis.conf"]))
+    with local_redis.running(3, form=False, config_file=str(conf), password=password) as nodes:
+        env = {**os.environ, "REDISCLI_AUTH": password}
+        env["NODES"] = " ".join(f"127.0.0.1:{p}" for p in nodes.ports)
+        for _ in range(2):  # forms the cluster, then finds it formed
+            done = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+            assert done.returncode == 0, done.stdout + done.stderr
+
+        async def use() -> None:
+            index = RedisIndex(nodes.url, "chart", password=password)
+            keys = list(range(1 << 40, (1 << 40) + 64 * 16, 16))
+            try:
+                await index.begin_incarnation("a", "1")
+                await index.store("a", "1", Blocks.of_prompt(keys), Tier.HBM)
+                assert (await index.lookup(keys, ["a"]))["a"][Tier.HBM] == len(keys)
+                assert index.nodes.cluster and index.nodes.count == 3
+            finally:
+                await index.close()
+
+        asyncio.run(use())
 
 
 def dashboard_files() -> dict[str, Json]:
@@ -898,7 +974,7 @@ def test_helm_install_upgrade_uninstall(k8s_cluster: K8sCluster, k8s_namespace: 
         c.kubectl("get", "crd", f"{plural}.kvplane.io")
     assert c.kubectl_json("get", "inferencepool", "llama-8b", "-n", ns)["spec"]["router"]
     cms = c.kubectl_json("get", "configmaps", "-n", ns, "-l", "grafana_dashboard=1")["items"]
-    assert len(cms) == 2
+    assert len(cms) == len(list((CHART / "dashboards").glob("*.json")))  # one per board
     dep = c.kubectl_json("get", "deployment", name, "-n", ns)
     env = env_of(dep["spec"]["template"]["spec"]["containers"][0])
     assert env["KVPLANE_RESYNC_SECONDS"] == "30"

@@ -1,5 +1,5 @@
 """Index garbage collection driven by Kubernetes: when an engine pod goes away, its
-residency leaves Redis within seconds.
+residency stops counting within seconds, and the collector then sweeps it out of Redis.
 
 Real parts throughout: a vLLM engine on loopback, a Redis server, the local
 kube-apiserver, and the indexer following the pod through Kubernetes discovery.
@@ -18,6 +18,8 @@ import redis
 from kvplane.router.config import KubernetesDiscoverySpec
 from kvplane.router.discovery_k8s import KubernetesDiscovery
 from kvplane.router.index.redis import RedisIndex
+from kvplane.router.index.redis_gc import collect, dead_slots
+from kvplane.router.index.redis_layout import SLOT_MUL
 from kvplane.router.kvevents.service import Indexer
 from support.fake_kubelet import fake_kubelet_node, ready_pod
 from support.k8s_cluster import K8sCluster
@@ -35,8 +37,20 @@ def engine_pod(cluster: K8sCluster, ns: str, name: str, node: str) -> None:
     ready_pod(cluster, ns, name, node, {"kvplane.io/pool": "gc", "kvplane.io/role": "decode"})
 
 
-def pod_sets(r: redis.Redis, pod: str) -> list[bytes]:
-    return list(r.scan_iter(f"kvp:{{{GEN}}}:p:{pod}:*"))
+def slot_of(r: redis.Redis, pod: str) -> int | None:
+    value = r.hget(f"kvp:{{{GEN}}}:pods", pod)
+    return None if value is None else int(bytes(value).split(b"\x1f")[0])  # type: ignore[arg-type]
+
+
+def entries_of(r: redis.Redis, slot: int) -> int:
+    """Holder entries of ``slot`` in every bucket of the generation."""
+    n = 0
+    for key in r.scan_iter(match=f"kvp:{GEN}:".encode() + b"{*}??", count=1000):
+        for value in r.hvals(key):
+            raw = bytes(value) if isinstance(value, bytes) else value.encode()
+            cells = [raw[i : i + 2] for i in range(0, len(raw), 2)]
+            n += sum(int.from_bytes(c, "big") // SLOT_MUL == slot for c in cells)
+    return n
 
 
 def test_engine_pod_deletion_removes_its_residency(
@@ -93,19 +107,24 @@ def _scenario(
                             "max_tokens": 1,
                         },
                     )
-                    if pod_sets(r, "engine-0"):
+                    slot = slot_of(r, "engine-0")
+                    if slot is not None and entries_of(r, slot):
                         break
                     await asyncio.sleep(0.2)
-            assert pod_sets(r, "engine-0"), "the engine's blocks never reached Redis"
+            slot = slot_of(r, "engine-0")
+            assert slot is not None and entries_of(r, slot), "the engine's blocks never came"
             assert "engine-0" in await index.incarnations()
             c.kubectl("delete", "pod", "engine-0", "-n", ns, "--grace-period=0", "--force")
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline:
-                if not pod_sets(r, "engine-0") and "engine-0" not in await index.incarnations():
+                if "engine-0" not in await index.incarnations():
                     break
                 await asyncio.sleep(0.2)
             else:
-                raise AssertionError("residency of the deleted pod is still in Redis")
+                raise AssertionError("the deleted pod's residency still counts")
+            assert slot in await dead_slots(index)
+            await collect(index, grace_s=0)
+            assert entries_of(r, slot) == 0, "the collector left the dead pod's entries"
         finally:
             follower.cancel()
             await indexer.stop()

@@ -152,3 +152,50 @@ def test_a_rotated_projected_token_is_read_again(
             await client.close()
 
     asyncio.run(scenario())
+
+
+CREATOR = """
+apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: creator, namespace: {ns}}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata: {{name: creator, namespace: {ns}}}
+rules:
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata: {{name: creator, namespace: {ns}}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: Role, name: creator}}
+subjects: [{{kind: ServiceAccount, name: creator, namespace: {ns}}}]
+"""
+
+
+@pytest.mark.timeout(120)
+def test_create_needs_only_create_and_never_overwrites(
+    k8s_cluster: K8sCluster, k8s_namespace: str, tmp_path: Path
+) -> None:
+    """How the operator makes a managed Redis' password Secret: with the ``create`` verb
+    alone (no Secret can be read), and a second create leaves the first one's data."""
+    ns, c = k8s_namespace, k8s_cluster
+    c.apply(CREATOR.format(ns=ns))
+    token = c.kubectl("create", "token", "creator", "-n", ns).stdout.strip()
+
+    def secret(value: str) -> dict[str, object]:
+        meta = {"name": "made-once", "namespace": ns}
+        return {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "stringData": {"k": value}}
+
+    async def scenario() -> tuple[bool, bool]:
+        client = await kube.Kube.connect(str(c.kubeconfig_for_token(token)))
+        try:
+            return await client.create(secret("first")), await client.create(secret("second"))
+        finally:
+            await client.close()
+
+    assert asyncio.run(scenario()) == (True, False)
+    made = c.kubectl_json("get", "secret", "made-once", "-n", ns)
+    assert made["data"] == {"k": "Zmlyc3Q="}  # base64 of "first"

@@ -317,6 +317,32 @@ def test_malformed_payloads_raise_decode_error(payload: bytes) -> None:
         decode_batch(payload)
 
 
+def test_typed_and_untyped_decoding_agree() -> None:
+    """The typed fast path decodes what the untyped decoder does; runs of removals alike
+    come out as one event that counts them."""
+    from kvplane.router.kvevents.decode import _decode_untyped
+
+    events: list[Any] = [
+        MapStored([5, -7], None, list(range(8)), 4, None, "GPU", None, [None, None], 0),
+        MapStored([DIGEST_A], 5, [1, 2, 3, 4], 4, 3, None, None),  # lora_id: namespaced
+        SgStored([-3], None, list(range(64)), 64, None, cache_salt="tenant"),
+        MapRemoved([5], "GPU", 0),
+        MapRemoved([-7], "GPU", 0),
+        MapRemoved([DIGEST_B], "GPU", 0),
+        MapRemoved([9], "CPU", 0),
+        MapCleared(),
+        MapRemoved([11], None, 0),
+    ]
+    payload = _enc(Batch(2.5, events, 1))
+    typed, untyped = decode_batch(payload), _decode_untyped(payload)
+    assert (typed.ts, typed.dp_rank) == (untyped.ts, untyped.dp_rank)
+    assert typed.events[:3] == untyped.events[:3]
+    merged = typed.events[3]
+    assert isinstance(merged, BlockRemoved) and merged.events == 3
+    assert merged.block_hashes == [h for e in untyped.events[3:6] for h in e.block_hashes]  # type: ignore[union-attr]
+    assert typed.events[4:] == untyped.events[6:]
+
+
 def test_normalise_hash_rejects_other_types() -> None:
     assert normalise_hash(-1) == 2**64 - 1
     assert normalise_hash(b"\x01\x02") == 0x0102

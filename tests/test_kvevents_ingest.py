@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import pytest
 from kvplane.router.blockkeys import block_keys, generation_root
-from kvplane.router.index.base import cumulative
+from kvplane.router.index.base import Blocks, chunk_anchors, cumulative
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.kvevents.ingest import IndexOp, Ingestor
 from kvplane.router.kvevents.model import (
@@ -259,11 +259,34 @@ def test_writes_are_coalesced_in_order() -> None:
         ),
     )
     assert ops == [
-        IndexOp("store", H, KEYS),
-        IndexOp("remove", H, [KEYS[5], KEYS[4]]),
+        IndexOp("store", H, KEYS, [KEYS[0]] * 6),
+        IndexOp("remove", H, [KEYS[5], KEYS[4]], [KEYS[0]] * 2),
         IndexOp("clear", H, []),
         IndexOp("clear", H, []),
     ]
+
+
+def test_blocks_carry_the_anchor_of_their_chunk() -> None:
+    """Every written block names the first block of its CHUNK, counted from the chain's
+    start, whichever events stored, evicted and offloaded it."""
+    tokens = list(range(5000, 5000 + 40 * BS))  # 40 blocks: chunks 0-15, 16-31, 32-39
+    eh, keys = engine_hashes(tokens), block_keys(tokens, BS, generation_root(GEN))
+    want = chunk_anchors(keys)
+    ingestor = Ingestor(MemoryIndex(), generation=GEN, block_size=BS)
+
+    def run(first: int, last: int, medium: str | None = "GPU") -> BlockStored:
+        parent = None if first == 0 else eh[first - 1]
+        return BlockStored(eh[first:last], parent, tokens[first * BS : last * BS], BS, medium)
+
+    ops = ingestor.plan("p", "i1", batch(run(0, 10), run(10, 17), run(17, 40)))
+    assert ops == [IndexOp("store", H, keys, want)]
+    ops = ingestor.plan("p", "i1", batch(BlockRemoved(eh[30:34], "GPU")))
+    assert ops == [IndexOp("remove", H, keys[30:34], want[30:34])]
+    # an offload placeholder names blocks by hash alone, even ones just evicted
+    placeholder = BlockStored(eh[30:34], None, [], 0, medium="CPU")
+    ops = ingestor.plan("p", "i1", batch(placeholder))
+    assert ops == [IndexOp("store", D, keys[30:34], want[30:34])]
+    assert chunk_anchors(keys)[:16] == [keys[0]] * 16 and want[16] == keys[16]
 
 
 async def test_rehash_with_other_tokens_withdraws_the_old_key(
@@ -284,6 +307,11 @@ async def test_memory_index_agrees_with_reference_semantics() -> None:
     idx = MemoryIndex(clock=lambda: now[0])
     pods = ["a", "b", "c"]
     keys = list(range(30))
+
+    def at(sel: list[int]) -> Blocks:  # key k sits at position k of ``keys``
+        anchors = chunk_anchors(keys)
+        return Blocks(sel, [anchors[k] for k in sel])
+
     held: dict[str, dict[int, set[Tier]]] = {p: {} for p in pods}
     marks: dict[str, dict[int, float]] = {p: {} for p in pods}
     for p in pods:
@@ -294,16 +322,16 @@ async def test_memory_index_agrees_with_reference_semantics() -> None:
         sel = rnd.sample(keys, rnd.randint(1, 6))
         op = rnd.random()
         if op < 0.5:
-            await idx.store(p, "1", sel, tier)
+            await idx.store(p, "1", at(sel), tier)
             for k in sel:
                 held[p].setdefault(k, set()).add(tier)
         elif op < 0.85:
-            await idx.remove(p, "1", sel, tier)
+            await idx.remove(p, "1", at(sel), tier)
             for k in sel:
                 held[p].get(k, set()).discard(tier)
         elif op < 0.95:
             ttl = rnd.choice([0.05, 0.3])
-            await idx.mark_tentative(p, sel, ttl)
+            await idx.mark_tentative(p, at(sel), ttl)
             for k in sel:
                 marks[p][k] = max(marks[p].get(k, 0.0), now[0] + ttl)
         elif op < 0.98:
@@ -312,7 +340,7 @@ async def test_memory_index_agrees_with_reference_semantics() -> None:
                 s.discard(tier)
         else:
             await idx.begin_incarnation(p, f"x{step}")
-            await idx.store(p, "1", sel, tier)  # stale: ignored
+            await idx.store(p, "1", at(sel), tier)  # stale: ignored
             await idx.drop_pod(p)
             await idx.begin_incarnation(p, "1")
             held[p], marks[p] = {}, {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import msgspec
@@ -20,6 +20,7 @@ import zmq
 import zmq.asyncio
 from kvplane.router.blockkeys import block_keys, generation_root
 from kvplane.router.config import Backend
+from kvplane.router.index.base import Blocks
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.kvevents.service import Indexer, resolve_endpoint
 from kvplane.router.kvevents.subscriber import (
@@ -542,11 +543,11 @@ class FlakyIndex(MemoryIndex):
 
     fail_next_store = False
 
-    async def store(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
+    async def store(self, pod: str, incarnation: str, blocks: Blocks, tier: Tier) -> None:
         if self.fail_next_store:
             self.fail_next_store = False
             raise ConnectionError("index unreachable")
-        await super().store(pod, incarnation, keys, tier)
+        await super().store(pod, incarnation, blocks, tier)
 
 
 async def test_indexer_resyncs_a_pod_after_an_index_write_failure(

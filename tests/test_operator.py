@@ -6,6 +6,7 @@ engine pools and tiers, transient API errors, one roll at creation."""
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 from collections.abc import Iterator
@@ -123,6 +124,12 @@ def test_aggregated_pool_comes_up_and_reports_status(
     assert owner["kind"] == "InferencePool" and owner["controller"] is True
     args = " ".join(engine["spec"]["template"]["spec"]["containers"][0]["args"])
     assert "--kv-events-config" in args and "--enable-prefix-caching" in args
+    # the managed Redis' password: made once by the operator, owned by the pool
+    secret = c.kubectl_json("get", "secret", "llama-redis-auth", "-n", ns)
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    conf = base64.b64decode(secret["data"]["redis.conf"]).decode()
+    assert len(password) >= 32 and conf == f"requirepass {password}\n"
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "InferencePool"
 
     # scaling follows the DecodePool
     apply(c, ns, "DecodePool", "main", {"poolRef": {"name": "llama"}, "replicas": 3})
@@ -133,6 +140,8 @@ def test_aggregated_pool_comes_up_and_reports_status(
         ),
         timeout_s=60,
     )
+    again = c.kubectl_json("get", "secret", "llama-redis-auth", "-n", ns)
+    assert again["data"] == secret["data"], "reconciles keep the password"
 
     # a model identity change rolls the engines to a new generation
     old_tag = status["generationTag"]
@@ -227,11 +236,12 @@ def test_external_index_residency_is_removed_with_the_pool(
     assert pool is not None and "kvplane.io/finalizer" in pool["metadata"]["finalizers"]
     tag = pool["status"]["generationTag"]
     r = redis_lib.Redis.from_url(redis_server.url)
-    r.hset(f"kvp:{{{tag}}}:inc", "pod-a", "1")
-    r.hset(f"kvp:{{{tag}}}:b:abc", "pod-a\x1f1\x1fhbm", "0")
+    r.hset(f"kvp:{{{tag}}}:pods", "pod-a", "0\x1f1")  # the pods table
+    bucket = f"kvp:{tag}:".encode() + b"{\x81\x82}\x83\x84"  # a chunk bucket
+    r.hset(bucket, b"\x00" * 8, b"\x00\x01")
     r.set("unrelated", "1")
     c.kubectl("delete", "inferencepool", "ext", "-n", ns, "--wait=true", timeout_s=90)
-    assert not list(r.scan_iter(f"kvp:{{{tag}}}:*"))
+    assert not list(r.scan_iter(f"kvp:{{{tag}}}:*")) and not r.exists(bucket)
     assert r.get("unrelated") == b"1"
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 from kvplane.router.config import CostParams, RouterConfig
 from kvplane.router.cost import CostModel, PodLoad
-from kvplane.router.index.base import IndexUnavailable, PrefixMatches
+from kvplane.router.index.base import Blocks, IndexUnavailable, PrefixMatches
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.policies import (
     Decision,
@@ -73,7 +73,7 @@ class _DownIndex(MemoryIndex):
 async def test_route_asks_the_index_only_for_policies_that_use_it() -> None:
     index = MemoryIndex()
     await index.begin_incarnation("b", "i1")
-    await index.store("b", "i1", [1, 2, 3], Tier.HBM)
+    await index.store("b", "i1", Blocks.of_prompt([1, 2, 3]), Tier.HBM)
     inp = RoutingInput(3 * 16 + 1, list(range(49)), [1, 2, 3], LOADS)
 
     def fallback(i: RoutingInput) -> Decision:

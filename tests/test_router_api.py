@@ -15,7 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from kvplane.router.app import make_index
 from kvplane.router.config import RouterConfig
-from kvplane.router.index.base import IndexUnavailable, lookup_or_none
+from kvplane.router.index.base import Blocks, IndexUnavailable, lookup_or_none
 from kvplane.router.index.guarded import GuardedIndex
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
@@ -294,7 +294,7 @@ async def test_a_stalled_redis_cuts_lookups_but_not_index_writes(
             await guard.lookup([1, 2], ["a"])
         assert loop.time() - t0 < 0.5  # given up well before the stall ends
         assert await lookup_or_none(guard, [1, 2], ["a"]) is None  # now skipped: back-off
-        await index.store("a", "i1", [1, 2], Tier.HBM)  # waits the stall out
+        await index.store("a", "i1", Blocks.of_prompt([1, 2]), Tier.HBM)  # waits the stall out
         assert loop.time() - t0 >= 0.5
         assert (await index.lookup([1, 2], ["a"]))["a"][Tier.HBM] == 2
     finally:

@@ -11,6 +11,7 @@ from kvplane.router.kvevents import model as rk
 from support.router_server import deepseek_tokenizer_dir
 
 from kvplane.bench import routing
+from kvplane.local import redis as local_redis
 from kvplane.sim import des
 from kvplane.sim import events as se
 from kvplane.sim.profiles import PROFILES
@@ -101,6 +102,20 @@ def test_deterministic_for_a_seed() -> None:
     b = run(wl, "kvplane", engines=3)
     assert a.results == b.results
     assert a.record.to_json() | {"router_cpu_s": 0} == b.record.to_json() | {"router_cpu_s": 0}
+
+
+@pytest.mark.parametrize("shards", [0, 3])
+def test_the_redis_index_decides_as_the_memory_index(shards: int) -> None:
+    """The same run with the residency index in Redis (one server, a 3-shard cluster) on
+    the simulation's clock: every request goes where it went with the memory index."""
+    wl = workloads.multi_round_qa(users=6, rounds=3, history_len=1000, qps=6.0)
+    ref = des.run_des(wl, "kvplane", engines=3, profile="h100-llama-3.1-8b-dram")
+    with local_redis.running(shards) as server:
+        opts = des.DesOptions(index_url=server.url)
+        got = des.run_des(wl, "kvplane", engines=3, profile="h100-llama-3.1-8b-dram", options=opts)
+    assert got[1] == ref[1]
+    same = {"router_cpu_s": 0, "notes": ""}
+    assert got[0].to_json() | same == ref[0].to_json() | same
 
 
 def test_no_reuse_has_no_hits_anywhere() -> None:

@@ -52,12 +52,6 @@ def test_soak_memory_index(tmp_path: Path) -> None:
 
 
 @pytest.mark.redis
-@pytest.mark.xfail(
-    strict=False,
-    reason="issue #22: the Redis index's per-pod GC sets gain every stored block and lose "
-    "none on removal (used_memory grows ~0.8 MB/min); fixed in router/index/redis.py by "
-    "the index rewrite, after which this passes",
-)
 def test_soak_redis_index(tmp_path: Path) -> None:
     result = run(tmp_path, "redis")
     assert_flat(result)

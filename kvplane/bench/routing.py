@@ -318,6 +318,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="kvplane cost settings, e.g. recompute_weight=4 (experiments; the report's "
         "setup names them)",
     )
+    p.add_argument(
+        "--index",
+        choices=("memory", "redis"),
+        default="memory",
+        help="des: kvplane's residency index, in memory or on a local redis-server",
+    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -513,7 +519,7 @@ def _run_des(
     args: argparse.Namespace, builder: PromptBuilder, routers: list[str], sweep: list[float]
 ) -> dict[str, Any]:
     """kvplane's own policy code on simulated engines in virtual time (no HTTP, no peers)."""
-    from kvplane.sim.des import ROUTERS, DesOptions, cost_params_for, profile_for, run_des
+    from kvplane.sim.des import ROUTERS, cost_params_for, profile_for
 
     base = cost_params_for(profile_for(args.profile, args.block_size))
     cost = CostParams.model_validate({**base.model_dump(), **parse_settings(args.cost_set)})
@@ -523,45 +529,73 @@ def _run_des(
         r for r in ours if r != "kvplane-sticky"
     ]
     runs: list[dict[str, Any]] = []
-    model = floor.sim_model(profile_for(args.profile, args.block_size))
-    for wname in csv_list(args.workloads):
-        fl: floor.Floor | None = None
-        for factor in [1.0, *[f for f in sweep if f != 1.0]]:
-            wl = build_workload(
-                wname,
-                trace=Path(args.trace) if args.trace else None,
-                limit=args.limit or None,
-                start=0,
-                rate_scale=_rate(args, wname) * factor,
-                shape=shapes(args).get(wname),
-            )
-            fl = fl or floor.floor_of(wl, args.block_size, model)
-            opts = DesOptions(oracle=oracle_hit_ratio(wl, args.block_size), cost=cost)
-            for router in ours if factor == 1.0 else sweepers:
-                bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
-                rec, results = run_des(
-                    wl,
-                    router,
-                    engines=args.engines,
-                    profile=args.profile,
-                    block_size=args.block_size,
-                    builder=builder,
-                    progress=bar,
-                    options=opts,
-                )
-                row = rec.to_json()
-                row["load_factor"] = factor
-                row["sweep"] = bool(sweep)
-                row["prefill_tokens_computed"] = sum(
-                    r.prompt_tokens - (r.cached_tokens or 0) for r in results if r.ok
-                )
-                row.update(fl.quantiles(), slo_ms=round(fl.slo_ms, 3))
-                if args.save_requests:
-                    name = f"des-{args.profile}-{wname}-{router}-x{factor:g}"
-                    save_results(Path(args.save_requests) / f"{name}.jsonl.xz", results)
-                runs.append(_with_quantiles(row, results, factor))
-                _print_row(row)
+    with contextlib.ExitStack() as stack:
+        index_url = None
+        if args.index == "redis":
+            from kvplane.local import redis as local_redis
+
+            index_url = stack.enter_context(local_redis.running()).url
+        for wname in csv_list(args.workloads):
+            _des_workload(args, builder, wname, sweep, ours, sweepers, cost, index_url, runs)
     return _finish(args, runs)
+
+
+def _des_workload(
+    args: argparse.Namespace,
+    builder: PromptBuilder,
+    wname: str,
+    sweep: list[float],
+    ours: list[str],
+    sweepers: list[str],
+    cost: CostParams,
+    index_url: str | None,
+    runs: list[dict[str, Any]],
+) -> None:
+    from kvplane.sim.des import DesOptions, profile_for, run_des
+
+    model = floor.sim_model(profile_for(args.profile, args.block_size))
+    fl: floor.Floor | None = None
+    for factor in [1.0, *[f for f in sweep if f != 1.0]]:
+        wl = build_workload(
+            wname,
+            trace=Path(args.trace) if args.trace else None,
+            limit=args.limit or None,
+            start=0,
+            rate_scale=_rate(args, wname) * factor,
+            shape=shapes(args).get(wname),
+        )
+        fl = fl or floor.floor_of(wl, args.block_size, model)
+        notes = [] if index_url is None else ["index redis"]
+        opts = DesOptions(
+            oracle=oracle_hit_ratio(wl, args.block_size),
+            cost=cost,
+            index_url=index_url,
+            notes=notes,
+        )
+        for router in ours if factor == 1.0 else sweepers:
+            bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
+            rec, results = run_des(
+                wl,
+                router,
+                engines=args.engines,
+                profile=args.profile,
+                block_size=args.block_size,
+                builder=builder,
+                progress=bar,
+                options=opts,
+            )
+            row = rec.to_json()
+            row["load_factor"] = factor
+            row["sweep"] = bool(sweep)
+            row["prefill_tokens_computed"] = sum(
+                r.prompt_tokens - (r.cached_tokens or 0) for r in results if r.ok
+            )
+            row.update(fl.quantiles(), slo_ms=round(fl.slo_ms, 3))
+            if args.save_requests:
+                name = f"des-{args.profile}-{wname}-{router}-x{factor:g}"
+                save_results(Path(args.save_requests) / f"{name}.jsonl.xz", results)
+            runs.append(_with_quantiles(row, results, factor))
+            _print_row(row)
 
 
 def _print_row(r: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ import asyncio
 import heapq
 import math
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -37,7 +38,9 @@ from kvplane.router.blockkeys import block_keys, generation_root
 from kvplane.router.config import Backend, CostParams, TierCost
 from kvplane.router.cost import CostModel
 from kvplane.router.engine_stats import EngineStats as ScrapedStats
+from kvplane.router.index.base import Blocks, ResidencyIndex
 from kvplane.router.index.memory import MemoryIndex
+from kvplane.router.index.redis import RedisIndex, forget_generation
 from kvplane.router.kvevents import model as rk
 from kvplane.router.kvevents.ingest import Ingestor
 from kvplane.router.load import Attempt
@@ -184,6 +187,9 @@ class DesOptions:
     hash_algo: str = "xxhash"  # vLLM's fast option; the router never sees engine hashes
     oracle: float | None = None  # precomputed oracle hit ratio (else computed here)
     notes: list[str] = field(default_factory=list)
+    # the residency index: in memory (None), or a Redis at this URL, on the same virtual
+    # clock (its decisions must equal the memory index's)
+    index_url: str | None = None
 
 
 class _Sim:
@@ -214,7 +220,16 @@ class _Sim:
         self.model = CostModel(self.cost, self.block_size, profile.kv_bytes_per_token)
         self.policy = make_policy(ROUTERS[router], self.model)
         self.clock = _Clock()
-        self.index = MemoryIndex(clock=self.clock)
+        self.index: ResidencyIndex = MemoryIndex(clock=self.clock)
+        if opts.index_url is not None:
+            self.index = RedisIndex(
+                opts.index_url,
+                f"{GENERATION}-{uuid.uuid4().hex[:8]}",
+                timeout_s=30.0,
+                clock=self.clock,
+                window_s=self.cost.tentative_ttl_s,
+                mark_keys_ttl_s=24 * 3600.0,  # virtual time may run slower than the wall's
+            )
         self.ingestor = Ingestor(self.index, generation=GENERATION, block_size=self.block_size)
         self.root = generation_root(GENERATION)
         width = len(str(engines - 1))
@@ -287,7 +302,7 @@ class _Sim:
             held = matches.get(decision.pod, {}).get(Tier.HBM, 0)
             if len(keys) > held:
                 await self.index.mark_tentative(
-                    decision.pod, keys[held:], self.cost.tentative_ttl_s
+                    decision.pod, Blocks.of_prompt(keys, held), self.cost.tentative_ttl_s
                 )
         self.pool.observe_prompt(len(tokens))
         terms = decision.terms.get(decision.pod)
@@ -402,6 +417,14 @@ class _Sim:
         else:
             raise TypeError(f"unknown event {item!r}")
 
+    async def run_and_close(self) -> float:
+        try:
+            return await self.run()
+        finally:
+            if isinstance(self.index, RedisIndex):
+                await self.index.close()
+                await forget_generation(self.index.url, self.index.names.generation)
+
     async def run(self) -> float:
         """Play every event; returns the virtual time of the last one."""
         for name in self.engines:
@@ -458,7 +481,7 @@ def run_des(
     prof = profile_for(profile, block_size)
     tokens = builder.tokens if builder is not None else synthetic_tokens(seed)
     sim = _Sim(workload, router, engines, prof, tokens, opts, progress)
-    end = asyncio.run(sim.run())
+    end = asyncio.run(sim.run_and_close())
     results = sorted(sim.results, key=lambda r: r.arrival_s)
     oracle = opts.oracle if opts.oracle is not None else oracle_hit_ratio(workload, prof.block_size)
     start = workload.requests[0].arrival_s if workload.requests else 0.0

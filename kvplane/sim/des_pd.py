@@ -37,6 +37,7 @@ from typing import Final
 
 from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import Backend, BackendRole, LinkClass, PDSpec
+from kvplane.router.index.base import Blocks
 from kvplane.router.load import Attempt, Booking
 from kvplane.router.pd.choice import PDCandidates, PDReason, choose_pd
 from kvplane.router.pd.cost import PDCostModel
@@ -230,7 +231,9 @@ class _PDSim(_Sim):
         """The pod will hold the prompt's blocks until its events say otherwise."""
         held = matches.get(pod, {}).get(Tier.HBM, 0)
         if len(keys) > held:
-            await self.index.mark_tentative(pod, keys[held:], self.cost.tentative_ttl_s)
+            await self.index.mark_tentative(
+                pod, Blocks.of_prompt(keys, held), self.cost.tentative_ttl_s
+            )
 
     # ----------------------------------------------------------------- the handoff
 

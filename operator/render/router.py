@@ -187,20 +187,6 @@ def discovery_rbac(
     ]
 
 
-def _index_env(ipool: InferencePoolSpec) -> list[Json]:
-    """An external index's password, from its Secret (never in the ConfigMap)."""
-    external = ipool.index.external
-    if external is None or external.password_secret_ref is None:
-        return []
-    ref = external.password_secret_ref
-    return [
-        {
-            "name": "KVPLANE_INDEX_PASSWORD",
-            "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}},
-        }
-    ]
-
-
 def _hub_env(ipool: InferencePoolSpec) -> list[Json]:
     """The engines' hub settings (HF_TOKEN, HF_ENDPOINT, ...) serve the tokenizer fetch."""
     return [dict(e) for e in ipool.engine.env if str(e.get("name", "")).startswith("HF_")]
@@ -293,7 +279,7 @@ def router_objects(
             "--port",
             str(names.ROUTER_PORT),
         ],
-        "env": _index_env(ipool),
+        "env": stores.index_env(ipool_name, ipool),
         "ports": [k8s.port(names.PORT_HTTP, names.ROUTER_PORT)],
         "resources": {"requests": {"cpu": "1", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "volumeMounts": mounts,
@@ -383,7 +369,7 @@ def indexer_objects(
             "--metrics-port",
             str(names.INDEXER_METRICS_PORT),
         ],
-        "env": _index_env(ipool),
+        "env": stores.index_env(ipool_name, ipool),
         "ports": [k8s.port(names.PORT_METRICS, names.INDEXER_METRICS_PORT)],
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
         "volumeMounts": [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}],

@@ -3,8 +3,10 @@ and a Mooncake Store master."""
 
 from __future__ import annotations
 
+import base64
 import math
 from collections.abc import Sequence
+from typing import Final
 
 from kvplane.operator.api import (
     InferencePoolSpec,
@@ -30,6 +32,43 @@ def managed_redis(ipool: InferencePoolSpec) -> ManagedRedis | None:
     return ipool.index.managed or ManagedRedis()
 
 
+# The managed Redis' password: a Secret the operator creates once with a random password
+# (``index_secret``; rendering names it and never holds the password).
+INDEX_PASSWORD_KEY: Final = "password"
+INDEX_CONF_KEY: Final = "redis.conf"  # ``requirepass``: kept off the command line
+REDIS_CONF_DIR: Final = "/etc/kvplane-redis"
+
+
+def index_secret_name(ipool_name: str) -> str:
+    return f"{names.redis_name(ipool_name)}-auth"
+
+
+def index_password_ref(ipool_name: str, ipool: InferencePoolSpec) -> tuple[str, str] | None:
+    """(Secret, key) holding the index's password: the managed Redis' own, or an external
+    index's ``passwordSecretRef``; None for an external index without one."""
+    external = ipool.index.external
+    if external is None:
+        return index_secret_name(ipool_name), INDEX_PASSWORD_KEY
+    ref = external.password_secret_ref
+    return None if ref is None else (ref.name, ref.key)
+
+
+def index_secret(ipool_name: str, namespace: str, password: str) -> Json:
+    """The managed Redis' password Secret (the operator creates it when it is missing)."""
+    labels = names.object_labels(ipool_name, Role.REDIS, "redis")
+    data = {
+        INDEX_PASSWORD_KEY: password,
+        INDEX_CONF_KEY: f"requirepass {password}\n",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": k8s.metadata(index_secret_name(ipool_name), namespace, labels),
+        "type": "Opaque",
+        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+    }
+
+
 def index_url(ipool_name: str, namespace: str, ipool: InferencePoolSpec) -> str:
     """What the router and indexer put in ``index.url``."""
     if ipool.index.external is not None:
@@ -41,7 +80,9 @@ def index_url(ipool_name: str, namespace: str, ipool: InferencePoolSpec) -> str:
 def redis_objects(ipool_name: str, namespace: str, ipool: InferencePoolSpec) -> list[Json]:
     """A single cache-only Redis: residency is rebuilt from KV events and the replay
     buffers, so persistence would only slow it down and LRU eviction is safe (a lost
-    key is a missed cache hit, never a wrong answer)."""
+    key is a missed cache hit, never a wrong answer). It requires the password of the
+    Secret ``index_secret_name`` (its config file sets ``requirepass``; ``redis-cli``
+    in the probes reads it from ``REDISCLI_AUTH``)."""
     spec = managed_redis(ipool)
     if spec is None:
         return []
@@ -56,10 +97,9 @@ def redis_objects(ipool_name: str, namespace: str, ipool: InferencePoolSpec) -> 
         "image": spec.image,
         "args": [
             "redis-server",
+            f"{REDIS_CONF_DIR}/{INDEX_CONF_KEY}",
             "--port",
             str(names.REDIS_PORT),
-            "--protected-mode",
-            "no",  # the Service is the only way in; protected mode refuses remote clients
             "--save",
             "",
             "--appendonly",
@@ -70,6 +110,8 @@ def redis_objects(ipool_name: str, namespace: str, ipool: InferencePoolSpec) -> 
             "allkeys-lru",
         ],
         "ports": [k8s.port(names.PORT_REDIS, names.REDIS_PORT)],
+        "env": [_secret_env("REDISCLI_AUTH", index_secret_name(ipool_name), INDEX_PASSWORD_KEY)],
+        "volumeMounts": [{"name": "auth", "mountPath": REDIS_CONF_DIR, "readOnly": True}],
         "resources": {
             "requests": {"cpu": "250m", "memory": limit},
             "limits": {"memory": limit},
@@ -82,7 +124,15 @@ def redis_objects(ipool_name: str, namespace: str, ipool: InferencePoolSpec) -> 
         },
         "livenessProbe": k8s.tcp_probe(names.PORT_REDIS, period=10, failures=6),
     }
-    pod = {"containers": [container], "enableServiceLinks": False}
+    auth = {
+        "secretName": index_secret_name(ipool_name),
+        "items": [{"key": INDEX_CONF_KEY, "path": INDEX_CONF_KEY}],
+    }
+    pod = {
+        "containers": [container],
+        "enableServiceLinks": False,
+        "volumes": [{"name": "auth", "secret": auth}],
+    }
     return [
         k8s.deployment(
             name, namespace, labels, selector, labels, pod, replicas=1, strategy=k8s.RECREATE
@@ -95,6 +145,16 @@ def redis_objects(ipool_name: str, namespace: str, ipool: InferencePoolSpec) -> 
             [(names.PORT_REDIS, names.REDIS_PORT, names.PORT_REDIS)],
         ),
     ]
+
+
+def _secret_env(name: str, secret: str, key: str) -> Json:
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+
+
+def index_env(ipool_name: str, ipool: InferencePoolSpec) -> list[Json]:
+    """The index password for the router and the indexer (never in their ConfigMap)."""
+    ref = index_password_ref(ipool_name, ipool)
+    return [] if ref is None else [_secret_env("KVPLANE_INDEX_PASSWORD", *ref)]
 
 
 # --- Mooncake Store master --------------------------------------------------------

@@ -42,10 +42,11 @@ class GuardedIndex(IndexWrapper):
         if not self.available:
             raise IndexUnavailable("skipped during back-off")
         try:
-            if self.in_process:  # never waits on I/O: no task and loop turn for wait_for
+            if self.in_process:  # never waits on I/O: no deadline to keep
                 result = await self.inner.lookup(keys, pods)
-            else:
-                result = await asyncio.wait_for(self.inner.lookup(keys, pods), self._timeout)
+            else:  # a deadline on this task (wait_for would start another)
+                async with asyncio.timeout(self._timeout):
+                    result = await self.inner.lookup(keys, pods)
         except Exception as exc:  # timeout, connection refused, script error
             self._errors.inc()
             delay = self._backoff.next()

@@ -9,7 +9,7 @@ import time
 from collections.abc import Sequence
 
 from kvplane.router import tracing
-from kvplane.router.index.base import PrefixMatches, ResidencyIndex
+from kvplane.router.index.base import Blocks, PrefixMatches, ResidencyIndex
 from kvplane.router.index.wrapper import IndexWrapper
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
@@ -35,10 +35,10 @@ class CountedWrites(IndexWrapper):
         super().__init__(inner)
         self._blocks = blocks
 
-    async def store(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
-        await self.inner.store(pod, incarnation, keys, tier)
-        self._blocks.labels("stored", tier.value).inc(len(keys))
+    async def store(self, pod: str, incarnation: str, blocks: Blocks, tier: Tier) -> None:
+        await self.inner.store(pod, incarnation, blocks, tier)
+        self._blocks.labels("stored", tier.value).inc(len(blocks.keys))
 
-    async def remove(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
-        await self.inner.remove(pod, incarnation, keys, tier)
-        self._blocks.labels("removed", tier.value).inc(len(keys))
+    async def remove(self, pod: str, incarnation: str, blocks: Blocks, tier: Tier) -> None:
+        await self.inner.remove(pod, incarnation, blocks, tier)
+        self._blocks.labels("removed", tier.value).inc(len(blocks.keys))

@@ -24,7 +24,7 @@ from itertools import accumulate, repeat, takewhile
 from operator import and_
 from typing import Final
 
-from kvplane.router.index.base import PrefixMatches
+from kvplane.router.index.base import Blocks, PrefixMatches
 from kvplane.router.tiers import TIER_BIT, TIER_ORDER, Tier
 
 N_TIERS: Final = len(TIER_ORDER)
@@ -102,10 +102,11 @@ class MemoryIndex:
             self._wipe(state)
             heapq.heappush(self._free_slots, state.slot)
 
-    async def store(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
+    async def store(self, pod: str, incarnation: str, blocks: Blocks, tier: Tier) -> None:
         state = self._current(pod, incarnation)
         if state is None:
             return
+        keys = blocks.keys
         bit = TIER_BIT[tier]
         keep = ~TENTATIVE_BIT if tier is Tier.HBM else -1  # a confirmed mark has done its job
         if tier is Tier.HBM and state.tentative:
@@ -125,10 +126,11 @@ class MemoryIndex:
             if delta:
                 packed[key] = packed.get(key, 0) ^ (delta << shift)
 
-    async def remove(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
+    async def remove(self, pod: str, incarnation: str, blocks: Blocks, tier: Tier) -> None:
         state = self._current(pod, incarnation)
         if state is None:
             return
+        keys = blocks.keys
         drop = TIER_BIT[tier]
         if tier is Tier.HBM:
             drop |= TENTATIVE_BIT
@@ -148,7 +150,8 @@ class MemoryIndex:
             if mask & bit:
                 self._set(state, key, mask & ~bit)
 
-    async def mark_tentative(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
+    async def mark_tentative(self, pod: str, blocks: Blocks, ttl_s: float) -> None:
+        keys = blocks.keys
         state = self._pods.get(pod)
         if state is None:
             state = self._pods[pod] = _PodState(self._take_slot(), None)

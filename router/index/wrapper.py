@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvplane.router.index.base import PrefixMatches, ResidencyIndex
+from kvplane.router.index.base import Blocks, PrefixMatches, ResidencyIndex
 from kvplane.router.tiers import Tier
 
 
@@ -23,17 +23,17 @@ class IndexWrapper:
     async def drop_pod(self, pod: str) -> None:
         await self.inner.drop_pod(pod)
 
-    async def store(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
-        await self.inner.store(pod, incarnation, keys, tier)
+    async def store(self, pod: str, incarnation: str, blocks: Blocks, tier: Tier) -> None:
+        await self.inner.store(pod, incarnation, blocks, tier)
 
-    async def remove(self, pod: str, incarnation: str, keys: Sequence[int], tier: Tier) -> None:
-        await self.inner.remove(pod, incarnation, keys, tier)
+    async def remove(self, pod: str, incarnation: str, blocks: Blocks, tier: Tier) -> None:
+        await self.inner.remove(pod, incarnation, blocks, tier)
 
     async def clear(self, pod: str, incarnation: str, tier: Tier) -> None:
         await self.inner.clear(pod, incarnation, tier)
 
-    async def mark_tentative(self, pod: str, keys: Sequence[int], ttl_s: float) -> None:
-        await self.inner.mark_tentative(pod, keys, ttl_s)
+    async def mark_tentative(self, pod: str, blocks: Blocks, ttl_s: float) -> None:
+        await self.inner.mark_tentative(pod, blocks, ttl_s)
 
     async def incarnations(self) -> Mapping[str, str]:
         return await self.inner.incarnations()

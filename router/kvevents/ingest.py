@@ -11,6 +11,9 @@ an engine sends a batch's GPU events before its offload connector's, so a block
 evicted and offloaded in one step is announced to the CPU tier (by its parent's
 hash, or by its own hash alone) after the GPU removal that emptied its mapping.
 
+Every block also carries its chunk *anchor* (``index.base.Blocks``): the key of the
+first block of its ``CHUNK``, found from the parent's anchor and position in the chain.
+
 Planning (state changes, pure) and writing (index I/O) are separate: a batch
 becomes a short list of coalesced index operations, applied in order.
 """
@@ -22,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from kvplane.router.blockkeys import chain_keys, generation_root
-from kvplane.router.index.base import ResidencyIndex
+from kvplane.router.index.base import CHUNK, Blocks, ResidencyIndex
 from kvplane.router.kvevents.model import (
     AllBlocksCleared,
     BlockRemoved,
@@ -40,6 +43,25 @@ DEFAULT_MAX_BLOCKS_PER_POD: Final = 1_000_000
 DEFAULT_RECENT_PER_POD: Final = 16_384
 
 OpKind = Literal["store", "remove", "clear"]
+
+# A block's place in its chain, packed in one int (one small object per mapped block):
+# its chunk's anchor key above, its offset in the chunk in the low bits.
+_OFFSET_BITS: Final = 8
+_OFFSET_MASK: Final = (1 << _OFFSET_BITS) - 1
+assert CHUNK <= 1 << _OFFSET_BITS
+
+
+def _next_place(parent: int | None, key: int) -> int:
+    """The place of ``key``, the child of a block at ``parent`` (None: a chain start)."""
+    if parent is None:
+        return key << _OFFSET_BITS
+    offset = ((parent & _OFFSET_MASK) + 1) % CHUNK
+    anchor = key if offset == 0 else parent >> _OFFSET_BITS
+    return anchor << _OFFSET_BITS | offset
+
+
+def _anchor(place: int) -> int:
+    return place >> _OFFSET_BITS
 
 
 @dataclass(slots=True)
@@ -67,32 +89,52 @@ class IndexOp:
     kind: OpKind
     tier: Tier
     keys: list[int] = field(default_factory=list)
+    anchors: list[int] = field(default_factory=list)
+
+    @property
+    def blocks(self) -> Blocks:
+        return Blocks(self.keys, self.anchors)
 
 
 @dataclass(slots=True)
 class PodChains:
-    """Engine hash -> router key and tier bitmask, for one pod incarnation."""
+    """Engine hash -> router key, place in the chain and tier bitmask, for one pod
+    incarnation."""
 
     incarnation: str
     keys: dict[int, int] = field(default_factory=dict)
+    places: dict[int, int] = field(default_factory=dict)
     tiers: dict[int, int] = field(default_factory=dict)
-    # blocks that left every tier, oldest first; never a hash that ``keys`` holds
-    recent: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    # blocks that left every tier (key, place), oldest first; never a hash ``keys`` holds
+    recent: OrderedDict[int, tuple[int, int]] = field(default_factory=OrderedDict)
     full_logged: bool = False
 
     def key_of(self, engine_hash: int) -> int | None:
         """The router key of a block held somewhere, or recently dropped."""
         key = self.keys.get(engine_hash)
-        return self.recent.get(engine_hash) if key is None else key
+        if key is None:
+            gone = self.recent.get(engine_hash)
+            return None if gone is None else gone[0]
+        return key
+
+    def locate(self, engine_hash: int) -> tuple[int, int] | None:
+        """(router key, place) of a block held somewhere, or recently dropped."""
+        key = self.keys.get(engine_hash)
+        if key is None:
+            return self.recent.get(engine_hash)
+        return key, self.places[engine_hash]
 
 
-def _emit(ops: list[IndexOp], kind: OpKind, tier: Tier, keys: Sequence[int]) -> None:
+def _emit(
+    ops: list[IndexOp], kind: OpKind, tier: Tier, keys: Sequence[int], anchors: Sequence[int]
+) -> None:
     if kind != "clear" and not keys:
         return
     if ops and kind != "clear" and ops[-1].kind == kind and ops[-1].tier is tier:
         ops[-1].keys.extend(keys)
+        ops[-1].anchors.extend(anchors)
     else:
-        ops.append(IndexOp(kind, tier, list(keys)))
+        ops.append(IndexOp(kind, tier, list(keys), list(anchors)))
 
 
 @dataclass(slots=True)
@@ -135,30 +177,40 @@ class Planner:
         if len(ev.token_ids) != len(ev.block_hashes) * self.block_size:
             self.stats.malformed += 1
             return
+        place: int | None = None
         if ev.parent_block_hash is None:
-            parent: int | None = self.root
+            parent = self.root
         else:
-            parent = chains.key_of(ev.parent_block_hash)
-        if parent is None:
-            self.stats.unmapped += 1
-            return
+            found = chains.locate(ev.parent_block_hash)
+            if found is None:
+                self.stats.unmapped += 1
+                return
+            parent, place = found
         keys = chain_keys(ev.token_ids, self.block_size, parent)
         bit = TIER_BIT[tier]
         accepted: list[int] = []
+        anchors: list[int] = []
+        # the hot path of ingestion: dicts and methods held in locals
+        mapped, places, tiers, recent = chains.keys, chains.places, chains.tiers, chains.recent
         for engine_hash, key in zip(ev.block_hashes, keys, strict=True):
-            old = chains.keys.get(engine_hash)
+            old = mapped.get(engine_hash)
             if old is None:
-                if len(chains.keys) >= self.max_blocks:
+                if len(mapped) >= self.max_blocks:
                     self._full(chains, len(keys) - len(accepted))
                     break  # later blocks chain from this one: none can be mapped
+                if recent:
+                    recent.pop(engine_hash, None)
+                mapped[engine_hash] = key
             elif old != key:
                 self.stats.remapped += 1
                 self._forget(chains, engine_hash, ops)
-            chains.recent.pop(engine_hash, None)
-            chains.keys[engine_hash] = key
-            chains.tiers[engine_hash] = chains.tiers.get(engine_hash, 0) | bit
+                mapped[engine_hash] = key
+            place = _next_place(place, key)
+            places[engine_hash] = place
+            tiers[engine_hash] = tiers.get(engine_hash, 0) | bit
             accepted.append(key)
-        _emit(ops, "store", tier, accepted)
+            anchors.append(place >> _OFFSET_BITS)
+        _emit(ops, "store", tier, accepted, anchors)
 
     def _placeholder(
         self, chains: PodChains, ev: BlockStored, tier: Tier, ops: list[IndexOp]
@@ -166,71 +218,84 @@ class Planner:
         """A block announced without tokens (offload tiers): known by its engine hash."""
         bit = TIER_BIT[tier]
         accepted: list[int] = []
+        anchors: list[int] = []
         for engine_hash in ev.block_hashes:
-            key = chains.key_of(engine_hash)
-            if key is None:
+            found = chains.locate(engine_hash)
+            if found is None:
                 continue
+            key, place = found
             if engine_hash not in chains.keys:  # back from the recently dropped
                 if len(chains.keys) >= self.max_blocks:
                     self._full(chains, 1)
                     continue
-                chains.keys[engine_hash] = chains.recent.pop(engine_hash)
+                del chains.recent[engine_hash]
+                chains.keys[engine_hash] = key
+                chains.places[engine_hash] = place
             chains.tiers[engine_hash] = chains.tiers.get(engine_hash, 0) | bit
             accepted.append(key)
+            anchors.append(_anchor(place))
         if len(accepted) < len(ev.block_hashes):
             self.stats.unmapped += 1
-        _emit(ops, "store", tier, accepted)
+        _emit(ops, "store", tier, accepted, anchors)
 
     def _removed(self, chains: PodChains, ev: BlockRemoved, ops: list[IndexOp]) -> None:
-        self.stats.removed += 1
+        self.stats.removed += ev.events
         if ev.group_idx != 0:
-            self.stats.other_group += 1
+            self.stats.other_group += ev.events
             return
         tier = tier_of_medium(ev.medium, ev.locality)
         bit = TIER_BIT[tier]
         gone: list[int] = []
+        anchors: list[int] = []
+        mapped, places, tiers = chains.keys, chains.places, chains.tiers
+        unknown = 0
         for engine_hash in ev.block_hashes:
-            mask = chains.tiers.get(engine_hash, 0)
+            mask = tiers.get(engine_hash, 0)
             if not mask & bit:
-                self.stats.removed_unknown += 1
+                unknown += 1
                 continue
-            gone.append(chains.keys[engine_hash])
             mask &= ~bit
             if mask:
-                chains.tiers[engine_hash] = mask
+                tiers[engine_hash] = mask
+                gone.append(mapped[engine_hash])
+                anchors.append(places[engine_hash] >> _OFFSET_BITS)
             else:
-                del chains.tiers[engine_hash]
-                self._retire(chains, engine_hash, chains.keys.pop(engine_hash))
-        _emit(ops, "remove", tier, gone)
+                del tiers[engine_hash]
+                key, place = self._retire(chains, engine_hash)
+                gone.append(key)
+                anchors.append(place >> _OFFSET_BITS)
+        self.stats.removed_unknown += unknown
+        _emit(ops, "remove", tier, gone, anchors)
 
-    def _retire(self, chains: PodChains, engine_hash: int, key: int) -> None:
-        """Keep a dropped block's mapping for events still to name it (bounded LRU)."""
-        if self.max_recent <= 0:
-            return
-        recent = chains.recent
-        recent[engine_hash] = key  # new here: it was in ``keys`` until now
-        while len(recent) > self.max_recent:
-            recent.popitem(last=False)
+    def _retire(self, chains: PodChains, engine_hash: int) -> tuple[int, int]:
+        """Drop a block's mapping, but keep it for events still to name it (bounded
+        LRU); returns its (key, place)."""
+        gone = chains.keys.pop(engine_hash), chains.places.pop(engine_hash)
+        if self.max_recent > 0:
+            recent = chains.recent
+            recent[engine_hash] = gone  # new here: it was in ``keys`` until now
+            if len(recent) > self.max_recent:
+                recent.popitem(last=False)
+        return gone
 
     def _cleared(self, chains: PodChains, ops: list[IndexOp]) -> None:
         """Prefix-cache reset: HBM only, offload tiers keep their blocks."""
         self.stats.cleared += 1
         keep = ~TIER_BIT[Tier.HBM]
         tiers = {h: m & keep for h, m in chains.tiers.items() if m & keep}
-        for h, key in chains.keys.items():
-            if h not in tiers:
-                self._retire(chains, h, key)
-        chains.keys = {h: chains.keys[h] for h in tiers}
+        for h in [h for h in chains.keys if h not in tiers]:
+            self._retire(chains, h)
         chains.tiers = tiers
-        _emit(ops, "clear", Tier.HBM, ())
+        _emit(ops, "clear", Tier.HBM, (), ())
 
     def _forget(self, chains: PodChains, engine_hash: int, ops: list[IndexOp]) -> None:
         """Withdraw an engine hash's old router key from every tier it was in."""
         key = chains.keys.pop(engine_hash)
+        anchor = _anchor(chains.places.pop(engine_hash))
         mask = chains.tiers.pop(engine_hash, 0)
         for tier, bit in TIER_BIT.items():
             if mask & bit:
-                _emit(ops, "remove", tier, [key])
+                _emit(ops, "remove", tier, [key], [anchor])
 
     def _full(self, chains: PodChains, dropped: int) -> None:
         self.stats.mapping_full += dropped
@@ -299,8 +364,8 @@ class Ingestor:
 async def write(index: ResidencyIndex, pod: str, incarnation: str, op: IndexOp) -> None:
     """Perform one planned operation."""
     if op.kind == "store":
-        await index.store(pod, incarnation, op.keys, op.tier)
+        await index.store(pod, incarnation, op.blocks, op.tier)
     elif op.kind == "remove":
-        await index.remove(pod, incarnation, op.keys, op.tier)
+        await index.remove(pod, incarnation, op.blocks, op.tier)
     else:
         await index.clear(pod, incarnation, op.tier)

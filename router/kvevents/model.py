@@ -23,6 +23,9 @@ class BlockRemoved:
     medium: str | None = None
     group_idx: int = 0
     locality: str | None = None
+    # engine events merged into this one: vLLM sends one per evicted block, and
+    # consecutive ones of the same medium and group are decoded as one
+    events: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,7 @@ come and go at runtime (discovery calls ``set_backends`` / ``add_backend`` /
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
@@ -18,7 +19,7 @@ import zmq
 import zmq.asyncio
 from kvplane.router.backoff import Backoff
 from kvplane.router.config import Backend
-from kvplane.router.index.base import ResidencyIndex
+from kvplane.router.index.base import NotOwner, ResidencyIndex
 from kvplane.router.kvevents.ingest import DEFAULT_MAX_BLOCKS_PER_POD, Ingestor, IngestStats
 from kvplane.router.kvevents.subscriber import (
     DEFAULT_REPLAY_TIMEOUT_S,
@@ -96,6 +97,8 @@ class Indexer:
         self._workers: dict[str, _Worker] = {}
         self._lock = asyncio.Lock()
         self._closed = False
+        # per pod: how far behind its engine the last applied batch was (s): back-pressure
+        self.lag_s: dict[str, float] = {}
 
     @property
     def ingest_stats(self) -> IngestStats:
@@ -175,7 +178,11 @@ class Indexer:
         if worker is not None:
             await _cancel(worker.task)
         self.ingestor.forget(name)
-        await self.index.drop_pod(name)
+        self.lag_s.pop(name, None)
+        try:
+            await self.index.drop_pod(name)
+        except NotOwner:  # another indexer took the pod over: its incarnation stands
+            log.info("kv events %s: stream handed over", name)
 
     async def _run(self, sub: EngineSubscriber) -> None:
         """Feed one stream into the index; restart it (new incarnation) on failure."""
@@ -209,6 +216,8 @@ class Indexer:
             return
         try:
             await self.ingestor.apply(update.pod, update.incarnation, update.batch)
+            if update.batch.ts:
+                self.lag_s[update.pod] = max(0.0, time.time() - update.batch.ts)
         except Exception:
             # the mapping ran ahead of the index: rebuild this pod from scratch
             log.exception("kv events %s: index write failed; resyncing", update.pod)

@@ -32,7 +32,7 @@ from kvplane.router import tracing
 from kvplane.router.config import BackendRole, PDConnector, PDSpec, RouterConfig
 from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError, describe, sse_error
-from kvplane.router.index.base import PrefixMatches, ResidencyIndex
+from kvplane.router.index.base import Blocks, PrefixMatches, ResidencyIndex
 from kvplane.router.load import Attempt, Booking
 from kvplane.router.pd import protocols
 from kvplane.router.pd.choice import PDCandidates, PDDecision, PDReason, choose_pd
@@ -564,7 +564,9 @@ class PDService:
         held = routed.matches.get(pod, {}).get(Tier.HBM, 0) if routed.matches else 0
         if len(routed.keys) > held:
             task = asyncio.create_task(
-                self.index.mark_tentative(pod, routed.keys[held:], self.config.cost.tentative_ttl_s)
+                self.index.mark_tentative(
+                    pod, Blocks.of_prompt(routed.keys, held), self.config.cost.tentative_ttl_s
+                )
             )
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)

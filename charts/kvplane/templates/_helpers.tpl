@@ -109,6 +109,11 @@ app.kubernetes.io/part-of: kvplane
   resources: [clusterroles]
   verbs: [bind]
   resourceNames: [{{ include "kvplane.discoveryRole" . }}]
+# The managed Redis' password: the operator creates its Secret once (create only: it
+# reads no Secret for it, and never rewrites one).
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create]
 {{- if or .Values.watchNamespaces .Values.rbac.readSecrets }}
 # The password of an external index (spec.index.external.passwordSecretRef): deleting
 # such a pool removes its residency keys from that Redis.

@@ -27,6 +27,9 @@ class RouterSpec:
     stop_signal: int = signal.SIGTERM
 
 
+REDIS_SINGLE = "kvplane-r1"  # one process on the Redis index: the index's cost alone
+
+
 def kvplane_variant(workers: int) -> str:
     """The row name of kvplane with ``workers`` processes."""
     return "kvplane" if workers <= 1 else f"kvplane-w{workers}"
@@ -42,12 +45,14 @@ def router_specs(
     kvplane_workers: Sequence[int],
     kvplane_profile: Path | None,
     redis_url: str | None = None,
+    redis_single: bool = False,
 ) -> list[RouterSpec]:
     """The exact command line of every router under test.
 
     ``kvplane`` expands to one spec per count in ``kvplane_workers``: one process
     with the in-memory index, or N worker processes on the Redis index at
-    ``redis_url`` (one database per variant, so that their marks stay apart).
+    ``redis_url`` (one database per variant, so that their marks stay apart);
+    ``redis_single`` adds one process on the Redis index (``kvplane-r1``).
     """
     specs: list[RouterSpec] = []
     workers = [f"http://{HOST}:{p}" for p in backend_ports]
@@ -58,6 +63,20 @@ def router_specs(
                 specs.append(
                     _kvplane_spec(
                         n, backend_ports, tokenizer_dir, rundir, kvplane_cmd, kvplane_profile, url
+                    )
+                )
+            if redis_single and redis_url:
+                url = f"{redis_url}/{len(kvplane_workers)}"
+                specs.append(
+                    _kvplane_spec(
+                        1,
+                        backend_ports,
+                        tokenizer_dir,
+                        rundir,
+                        kvplane_cmd,
+                        None,
+                        url,
+                        REDIS_SINGLE,
                     )
                 )
         elif name.startswith("vllm-router-"):
@@ -81,13 +100,14 @@ def _kvplane_spec(
     kvplane_cmd: str,
     profile: Path | None,
     redis_url: str | None,
+    name: str | None = None,
 ) -> RouterSpec:
-    name = kvplane_variant(workers)
+    name = name or kvplane_variant(workers)
     port = free_port()
     if workers > 1 and redis_url is None:
         raise SystemExit("bench overhead: kvplane with several workers needs the Redis index")
     cfg = rundir / f"{name}-router.yaml"
-    index_url = redis_url if workers > 1 else None
+    index_url = redis_url if workers > 1 or name == REDIS_SINGLE else None
     cfg.write_text(_kvplane_config(tokenizer_dir, backend_ports, index_url))
     tail = ["router", "--config", str(cfg), "--host", HOST, "--port", str(port)]
     if workers > 1:

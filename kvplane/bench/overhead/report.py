@@ -190,6 +190,8 @@ def _kvplane_note(doc: dict[str, Any]) -> str:
             continue
         if name == "kvplane":
             what = "one process, in-memory index"
+        elif name == "kvplane-r1":
+            what = "one process, Redis index"
         else:
             what = f"{name.removeprefix('kvplane-w')} uvicorn worker processes, Redis index"
         parts.append(f"`{name}`: {what} (`{_short_cmd(cmd)}`)")

@@ -197,6 +197,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "`kvplane router --workers N` on a Redis index the benchmark starts)",
     )
     g.add_argument(
+        "--kvplane-redis",
+        action="store_true",
+        help="also one kvplane process on the Redis index (kvplane-r1): the index's share "
+        "of kvplane-wN's latency, apart from the workers'",
+    )
+    g.add_argument(
         "--kvplane-profile", default=None, help="run kvplane under cProfile, write stats here"
     )
     g.add_argument("--vllm-router-cmd", default=None, help="the vllm-router executable")
@@ -264,6 +270,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for k in (
             "sizes", "regimes", "routers", "requests", "requests_large", "warmup", "sessions",
             "rps_step_s", "rps_max_steps", "p99_bound_ms", "seed", "kvplane_workers",
+            "kvplane_redis",
         )
     }  # fmt: skip
     doc["targets"] = check_targets(doc["runs"])
@@ -327,7 +334,7 @@ def _run_inner(
     vllm_cmd = args.vllm_router_cmd or _venv_bin("vllm-router")
     profile = Path(args.kvplane_profile).resolve() if args.kvplane_profile else None
     redis_url: str | None = None
-    if "kvplane" in names and any(n > 1 for n in args.kvplane_workers):
+    if "kvplane" in names and (args.kvplane_redis or any(n > 1 for n in args.kvplane_workers)):
         redis_url = start_redis(rundir, procs)
     specs = router_specs(
         names,
@@ -339,6 +346,7 @@ def _run_inner(
         args.kvplane_workers,
         profile,
         redis_url,
+        redis_single=args.kvplane_redis,
     )
     probe = _body(factory.fresh(64))
     started: list[tuple[RouterSpec, Proc]] = []
