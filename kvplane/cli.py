@@ -134,6 +134,13 @@ def _bench_gateway(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_tail(args: argparse.Namespace) -> int:
+    from kvplane.bench import tail
+
+    tail.run(args)
+    return 0
+
+
 def _bench_soak(args: argparse.Namespace) -> int:
     from kvplane.bench import soak
 
@@ -335,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(o)
     o.set_defaults(handler=_bench_overhead)
     r = bsub.add_parser(
-        "routing", help="routing quality vs vllm-router and sglang-router on a simulated fleet"
+        "routing",
+        help="routing quality vs NVIDIA Dynamo, vllm-router and sglang-router on a simulated fleet",
     )
     from kvplane.bench.routing import add_arguments as routing_arguments
 
@@ -355,6 +363,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     gateway_arguments(g)
     g.set_defaults(handler=_bench_gateway)
+    t = bsub.add_parser("tail", help="which requests make a routing run's TTFT tail, and why")
+    from kvplane.bench.tail import add_arguments as tail_arguments
+
+    tail_arguments(t)
+    t.set_defaults(handler=_bench_tail)
     x = bsub.add_parser(
         "index", help="the residency index: ingest rate, lookup latency, memory, shard skew"
     )

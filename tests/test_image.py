@@ -168,6 +168,7 @@ def test_router_from_the_image_serves_a_config(container: str, tmp_path: Path) -
                 "block_size": 16,
             },
             "backends": [{"name": "e0", "url": engine.url}],
+            "auth": {"route_headers": True},  # the pod's name on answers
         }
         conf = tmp_path / "conf"
         conf.mkdir()

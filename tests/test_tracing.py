@@ -81,6 +81,7 @@ def config(tok: Path, backends: list[Json], **extra: Any) -> RouterConfig:
             "model": {"name": "tiny", "tokenizer": str(tok), "block_size": 16},
             "backends": backends,
             "scrape_interval_s": 30,
+            "auth": {"route_headers": True},  # the pod and P/D headers on answers
             **extra,
         }
     )

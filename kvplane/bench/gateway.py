@@ -76,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default=None)
     p.add_argument("--no-write", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(fleet="sim")  # kvplane's simulated engines (bench routing's --fleet)
 
 
 # ------------------------------------------------------------------------- routing
