@@ -29,7 +29,9 @@ from kvplane.router.policies import labelled
 KVPLANE_POLICIES = labelled()  # every registered policy: kvplane, kvplane-<policy>
 VLLM_ROUTER_POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin")
 PEERS = (*(f"vllm-router-{p}" for p in VLLM_ROUTER_POLICIES), "sglang-router-cache_aware")
-ALL_ROUTERS = (*KVPLANE_POLICIES, *PEERS, "dynamo", "dynamo-<presets>")
+# kvplane's cost policy as a Gateway API endpoint picker behind real Envoy
+GATEWAY = "kvplane-envoy"
+ALL_ROUTERS = (*KVPLANE_POLICIES, GATEWAY, *PEERS, "dynamo", "dynamo-<presets>")
 # a run without --routers: kvplane, its strongest baselines and every peer
 DEFAULT_ROUTERS = (
     "kvplane",
@@ -115,6 +117,12 @@ def launch_for(
         cfg.write_text(yaml.safe_dump(kvplane_config(model, engines, KVPLANE_POLICIES[name])))
         argv = [venv_bin("kvplane"), "--log-level", "warning", "router", "--config", str(cfg)]
         argv += ["--host", HOST, "--port", str(port)]
+        return RouterLaunch(name, port, argv)
+    if name == GATEWAY:
+        cfg = rundir / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump(kvplane_config(model, engines, "cost")))
+        argv = [sys.executable, "-m", "kvplane.local.gateway", "--config", str(cfg)]
+        argv += ["--port", str(port), "--log-dir", str(rundir)]
         return RouterLaunch(name, port, argv)
     if name.startswith("vllm-router-"):
         policy = name.removeprefix("vllm-router-")

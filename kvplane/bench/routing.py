@@ -266,6 +266,11 @@ def run_one(
     out["prefill_tokens_computed"] = sum(prefill.values())
     out.update({k: str(v) for k, v in running.notes.items()})
     if stats1:
+        # requests each engine received, to compare with the pods the router named
+        out["engine_requests"] = {
+            s1["name"]: int(s1["requests"]) - int(s0["requests"])
+            for s0, s1 in zip(stats0, stats1, strict=True)
+        }
         # engines whose event loop fell behind the modeled timeline (an overloaded
         # machine): such a run's latencies include the machine's, not only the fleet's
         out["sim_max_lag_s"] = round(max(float(s.get("max_lag_s", 0.0)) for s in stats1), 3)
