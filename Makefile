@@ -8,7 +8,7 @@ VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-k8s setup-tools demo test lint typecheck image bench-overhead
+.PHONY: setup setup-vllm setup-k8s setup-dynamo setup-tools demo test lint typecheck image bench-overhead
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -18,6 +18,10 @@ setup-vllm: setup
 
 setup-k8s:
 	@bash scripts/setup-k8s.sh >/dev/null
+
+# NVIDIA Dynamo, the peer router the routing benchmark and its tests run (about 30 s once)
+setup-dynamo:
+	@bash scripts/setup-dynamo.sh
 
 # What some tests run for real, each installed or built only if missing: buildah and
 # debootstrap (the image), prometheus, Grafana's dashboard schema and the Prometheus
@@ -49,7 +53,7 @@ typecheck: setup
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
 		$(ROOT)/e2e/conftest.py $(ROOT)/e2e/test_suite.py
 
-test: setup-vllm setup-k8s setup-tools lint typecheck
+test: setup-vllm setup-k8s setup-dynamo setup-tools lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench-overhead: setup

@@ -25,24 +25,29 @@ class ConfigError(Exception):
 
 
 def _load(path: str) -> RouterConfig:
+    """The config's (first) pool; a readable error for a bad file."""
+    return _load_pools(path)[0]
+
+
+def _load_pools(path: str) -> list[RouterConfig]:
     import pydantic
     import yaml
 
-    from kvplane.router.config import load_config
+    from kvplane.router.models import load_pools
 
     try:
-        return load_config(path)
+        return load_pools(path)
     except FileNotFoundError as exc:
         raise ConfigError(f"config file not found: {path}") from exc
-    except (yaml.YAMLError, pydantic.ValidationError) as exc:
+    except (yaml.YAMLError, pydantic.ValidationError, ValueError) as exc:
         raise ConfigError(f"invalid config {path}:\n{exc}") from exc
 
 
 def _router(args: argparse.Namespace) -> int:
     from kvplane.router import serving
 
-    config = _load(args.config)  # fail fast, with a readable error, before forking
-    if args.workers > 1 and config.index.backend == "memory":
+    configs = _load_pools(args.config)  # fail fast, with a readable error, before forking
+    if args.workers > 1 and any(c.index.backend == "memory" for c in configs):
         print(
             "kvplane router: --workers > 1 needs a shared index (index.backend: redis); "
             "the in-memory index lives in one process",
@@ -52,7 +57,22 @@ def _router(args: argparse.Namespace) -> int:
     os.environ["KVPLANE_ROUTER_CONFIG"] = str(args.config)
     if args.embedded_indexer:
         os.environ["KVPLANE_EMBEDDED_INDEXER"] = "1"
-    serving.run(config, args.host, args.port, args.workers, args.log_level)
+    serving.run(configs[0], args.host, args.port, args.workers, args.log_level)
+    return 0
+
+
+def _epp(args: argparse.Namespace) -> int:
+    configs = _load_pools(args.config)
+    try:
+        from kvplane.router.epp.picker import PickerSettings
+        from kvplane.router.epp.server import serve
+    except ImportError as exc:  # the epp extra: grpcio and Envoy's protobufs
+        raise SystemExit(f"kvplane epp needs {exc.name}: pip install 'kvplane[epp]'") from exc
+    settings = PickerSettings(fallbacks=args.fallbacks, max_body_bytes=args.max_body_bytes)
+    try:
+        asyncio.run(serve(configs, args.port, settings, args.host, args.metrics_port))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     return 0
 
 
@@ -103,6 +123,21 @@ def _bench_pd(args: argparse.Namespace) -> int:
 
     args.argv_echo = sys.argv[3:]
     pd.run(args)
+    return 0
+
+
+def _bench_gateway(args: argparse.Namespace) -> int:
+    from kvplane.bench import gateway
+
+    args.argv_echo = sys.argv[3:]
+    gateway.run(args)
+    return 0
+
+
+def _bench_tail(args: argparse.Namespace) -> int:
+    from kvplane.bench import tail
+
+    tail.run(args)
     return 0
 
 
@@ -190,7 +225,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     r = sub.add_parser("router", help="serve the OpenAI-compatible cache-aware router")
-    r.add_argument("--config", required=True, help="router config (YAML), see docs/router.md")
+    r.add_argument(
+        "--config",
+        required=True,
+        help="router config (YAML, docs/router.md), or several pools: pools: [...]",
+    )
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--workers", type=int, default=1, help="processes (needs the Redis index)")
@@ -200,6 +239,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="also ingest KV events in this process (the default with the in-memory index)",
     )
     r.set_defaults(handler=_router)
+
+    e = sub.add_parser(
+        "epp",
+        help="serve the Gateway API Inference Extension's endpoint picker (Envoy ext_proc gRPC)",
+    )
+    e.add_argument("--config", required=True, help="router config (YAML), or several: pools: [...]")
+    e.add_argument("--host", default="0.0.0.0")
+    e.add_argument("--port", type=int, default=9002, help="gRPC port (GIE's default: 9002)")
+    e.add_argument(
+        "--fallbacks",
+        type=int,
+        default=0,
+        help="endpoints after the chosen one, for a data plane that retries down the list "
+        "(Envoy's override_host policy; an ORIGINAL_DST cluster takes exactly one)",
+    )
+    e.add_argument("--max-body-bytes", type=int, default=16 * 1024 * 1024)
+    e.add_argument("--metrics-port", type=int, default=9090, help="0 disables /metrics")
+    e.set_defaults(handler=_epp)
 
     i = sub.add_parser("indexer", help="ingest engine KV events into the Redis residency index")
     i.add_argument("--config", required=True, help="router config (YAML): backends and index")
@@ -285,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(o)
     o.set_defaults(handler=_bench_overhead)
     r = bsub.add_parser(
-        "routing", help="routing quality vs vllm-router and sglang-router on a simulated fleet"
+        "routing",
+        help="routing quality vs NVIDIA Dynamo, vllm-router and sglang-router on a simulated fleet",
     )
     from kvplane.bench.routing import add_arguments as routing_arguments
 
@@ -298,6 +356,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     pd_arguments(d)
     d.set_defaults(handler=_bench_pd)
+    g = bsub.add_parser(
+        "gateway", help="kvplane's endpoint picker behind real Envoy vs kvplane's router"
+    )
+    from kvplane.bench.gateway import add_arguments as gateway_arguments
+
+    gateway_arguments(g)
+    g.set_defaults(handler=_bench_gateway)
+    t = bsub.add_parser("tail", help="which requests make a routing run's TTFT tail, and why")
+    from kvplane.bench.tail import add_arguments as tail_arguments
+
+    tail_arguments(t)
+    t.set_defaults(handler=_bench_tail)
     x = bsub.add_parser(
         "index", help="the residency index: ingest rate, lookup latency, memory, shard skew"
     )

@@ -211,6 +211,28 @@ class PoolRefs(Model):
     decode: list[LocalObjectRef] = Field(default_factory=list)
 
 
+class FailureMode(StrEnum):
+    """What a gateway does when the endpoint picker does not answer (GIE's names)."""
+
+    FAIL_OPEN = "FailOpen"
+    FAIL_CLOSE = "FailClose"
+
+
+class GatewaySpec(Model):
+    """Serve the pool through the Gateway API Inference Extension: a GIE
+    ``InferencePool`` (inference.networking.k8s.io/v1) selecting the engine pods, with
+    kvplane's endpoint picker (``kvplane epp``) as its ``endpointPickerRef``."""
+
+    failure_mode: FailureMode = Field(
+        default=FailureMode.FAIL_CLOSE,
+        description="FailOpen: the gateway routes by its own policy while the picker is down",
+    )
+    replicas: Annotated[int, Field(ge=1, le=100)] = 1
+    port: Annotated[int, Field(ge=1, le=65535)] = Field(
+        default=9002, description="the picker's gRPC port (GIE's default)"
+    )
+
+
 class ServiceLevel(Model):
     """The pool's latency targets: the predictedTTFT autoscaling signal and the P:D
     planner aim at them."""
@@ -271,6 +293,10 @@ class InferencePoolSpec(Model):
     kv_cache_tiers: list[LocalObjectRef] = Field(default_factory=list)
     router: RouterSpec = Field(default_factory=RouterSpec)
     index: IndexSpec = Field(default_factory=IndexSpec)
+    gateway: GatewaySpec | None = Field(
+        default=None,
+        description="also render a GIE InferencePool whose endpoint picker is kvplane's",
+    )
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     slo: ServiceLevel | None = None
     planner: PlannerSpec | None = Field(default=None, description="needs slo")

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvplane.router.backoff import Backoff
-from kvplane.router.kube import Kube, api_error_status
+from kvplane.router.kube import Kube, api_error_status, not_served
 
 from kvplane.types import Json
 
@@ -144,6 +144,11 @@ class Informer:
             except Exception as exc:
                 if api_error_status(exc) == 410:  # the version expired: list again now
                     continue
+                if first and not_served(exc):  # no such CRD (yet): an empty kind, synced
+                    first = False
+                    self._pending -= 1
+                    if self._pending == 0:
+                        self.synced.set()
                 delay = backoff.next()
                 log.warning(
                     "watch of %s in %s failed (%s); listing again in %.1fs",

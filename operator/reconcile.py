@@ -27,7 +27,7 @@ from kvplane.operator.render import stores
 from kvplane.operator.render.tiers import RenderError, plan_tiers, store_address
 from kvplane.operator.settings import FIELD_MANAGER, OperatorSettings
 from kvplane.operator.workqueue import RETRY, Result
-from kvplane.router.kube import Kube, KubeAPIError, is_transient
+from kvplane.router.kube import Kube, KubeAPIError, is_transient, kind_key
 from pydantic import ValidationError
 
 from kvplane.types import Json
@@ -43,6 +43,7 @@ PRUNABLE = (
     "ServiceAccount",
     "RoleBinding",
     "NetworkPolicy",
+    "InferencePool.inference.networking.k8s.io",  # GIE's, with spec.gateway
 )
 ENGINE_KINDS = {"prefill": "PrefillPool", "decode": "DecodePool"}
 
@@ -319,8 +320,9 @@ class Reconcile:
         refused = []
         for obj in desired:
             meta = obj["metadata"]
-            live = owned.get((obj["kind"], meta["name"])) or self.cache.get(
-                obj["kind"], meta["namespace"], meta["name"]
+            kind = kind_key(obj)
+            live = owned.get((kind, meta["name"])) or self.cache.get(
+                kind, meta["namespace"], meta["name"]
             )
             if live is not None and covers(live, obj):
                 continue
@@ -339,7 +341,7 @@ class Reconcile:
     async def _prune(self, desired: list[Json], owned: dict[tuple[str, str], Json]) -> None:
         """Delete what this pool created earlier and no longer wants (a removed tier's
         store, a deleted DecodePool's Deployment)."""
-        keep = {(o["kind"], o["metadata"]["name"]) for o in desired}
+        keep = {(kind_key(o), o["metadata"]["name"]) for o in desired}
         for (kind, name), obj in owned.items():
             if (kind, name) not in keep:
                 log.info("pruning %s %s/%s", kind, obj["metadata"]["namespace"], name)

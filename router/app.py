@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import re
@@ -19,9 +18,9 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
-from kvplane.router import tracing
+from kvplane.router import runtime, tracing
 from kvplane.router.auth import ROLE_KEY, Disclosure, Gate, Role, disclose, disclosure
-from kvplane.router.config import Backend, RouterConfig
+from kvplane.router.config import RouterConfig
 from kvplane.router.discovery import Discovery, StaticDiscovery
 from kvplane.router.errors import APIError
 from kvplane.router.forwarder import Forwarder
@@ -33,12 +32,13 @@ from kvplane.router.index.instrumented import InstrumentedIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.kvevents.service import Indexer
+from kvplane.router.models import ModelRegistry
 from kvplane.router.openapi import router_openapi
 from kvplane.router.pd.handoff import PDService
 from kvplane.router.pipeline import Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
 from kvplane.router.proxy import Dispatch, Proxy
-from kvplane.router.request import ParsedRequest, parse_request
+from kvplane.router.request import parse_request
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
@@ -107,14 +107,24 @@ class Router:
     header_policy: HeaderPolicy
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     indexer: Indexer | None = None  # embedded KV event ingestion, if any
+    scraper: Scraper | None = None
     pd: PDService | None = None  # the P/D path, when config.pd is set
     metric_children: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     tracing: Tracing = OFF  # OpenTelemetry spans per request (config.tracing)
 
 
-def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> Router:
+def build_router(
+    config: RouterConfig,
+    index: ResidencyIndex | None = None,
+    metrics: RouterMetrics | None = None,
+) -> Router:
+    """One pool's router state; ``metrics``: another pool's, whose registry this pool's
+    series join (one /metrics for several pools)."""
     generation = pool_generation(config)
-    metrics = RouterMetrics(config.pool, config.model.name)
+    if metrics is None:
+        metrics = RouterMetrics(config.pool, config.model.name)
+    else:
+        metrics = metrics.for_pool(config.pool, config.model.name)
     tokenizer = PromptTokenizer(
         config.model.tokenizer,
         config.model.chat_template,
@@ -151,23 +161,6 @@ def build_router(config: RouterConfig, index: ResidencyIndex | None = None) -> R
     return router
 
 
-async def _follow_discovery(router: Router, discovery: Discovery) -> None:
-    async for backends in discovery.watch():
-        await _apply_backends(router, backends)
-
-
-async def _apply_backends(router: Router, backends: list[Backend]) -> None:
-    _, removed = router.pool.set_backends(backends)
-    router.proxy.retain(s.backend.url for s in router.pool.states.values())
-    if router.indexer is not None:
-        await router.indexer.set_backends(backends)
-    for name in removed:  # nothing kept per pod outlives it
-        router.metrics.forget_pod(name)
-        router.proxy.forget(name)
-        for key in [k for k in router.metric_children if k[-1] == name]:
-            del router.metric_children[key]
-
-
 def _headers(
     routed: Routed, request_id: str, pod: str, attempts: int, level: Disclosure
 ) -> dict[str, str]:
@@ -190,59 +183,43 @@ def _headers(
 
 
 def create_app(
-    config: RouterConfig,
+    config: RouterConfig | Sequence[RouterConfig],
     discovery: Discovery | None = None,
     index: ResidencyIndex | None = None,
     embedded_indexer: bool | None = None,
 ) -> FastAPI:
-    """The router app. ``embedded_indexer`` (default: when the index is in memory)
-    runs KV event ingestion in this process."""
-    router = build_router(config, index)
-    discovery = discovery or make_discovery(config)
-    embed = config.index.backend == "memory" if embedded_indexer is None else embedded_indexer
+    """The router app over one pool or several (``models.ModelRegistry``: the request's
+    ``model`` picks the pool). ``embedded_indexer`` (default: when the index is in
+    memory) runs KV event ingestion in this process; ``discovery`` and ``index`` are
+    the first pool's."""
+    configs = [config] if isinstance(config, RouterConfig) else list(config)
+    config = configs[0]  # auth and server limits: the first pool's
+    router = build_router(configs[0], index)
+    registry = ModelRegistry(
+        [router, *(build_router(c, metrics=router.metrics) for c in configs[1:])]
+    )
+    discoveries = {id(router): discovery or make_discovery(configs[0])}
+
+    def embedded(r: Router) -> bool:
+        memory = r.config.index.backend == "memory"
+        return memory if embedded_indexer is None else embedded_indexer
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        scraper = Scraper(router.pool, router.client, config.scrape_interval_s)
-        await router.gate.start()
-        if embed:
-            router.indexer = Indexer(
-                router.index, generation=router.generation, block_size=config.model.block_size
-            )
-            await router.indexer.start()
-        watch = asyncio.create_task(_follow_discovery(router, discovery), name="discovery")
-        router.tasks.append(watch)
-        for _ in range(100):  # the first backend set, before serving
-            if router.pool.states or watch.done():
-                break
-            await asyncio.sleep(0.01)
-        await scraper.scrape_once()
-        scraper.start()
-        # What start-up built (tokenizer, templates, models, imports) lives as long as
-        # the process: out of the collector's sight, a full collection stays short
-        # instead of walking it all in some request's path.
-        gc.collect()
-        gc.freeze()
+        for r in registry:
+            found = discoveries.get(id(r)) or make_discovery(r.config)
+            await runtime.start(r, found, embedded(r))
+        runtime.settle()
         try:
             yield
         finally:
-            await router.gate.stop()
-            await scraper.stop()
-            if router.indexer is not None:
-                await router.indexer.stop()
-            for task in router.tasks:
-                task.cancel()
-            await router.client.aclose()
-            router.proxy.close()
-            await router.index.close()
-            router.tokenizer.close()
-            router.pipeline.close()
-            router.tracing.shutdown()
+            for r in registry:
+                await runtime.stop(r)
 
     app = _RouterApp(router.gate, title="kvplane router", lifespan=lifespan)
     app.state.router = router
+    app.state.registry = registry
     app.openapi = lambda: router_openapi(app)  # type: ignore[method-assign]
-    labels = router.metrics.labels
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -254,11 +231,12 @@ def create_app(
         request_id = _request_id(raw_headers)
         level = disclosure(scope.get(ROLE_KEY, Role.USER), config.auth)
         status = "error"
+        router = registry_default
         traced = router.tracing.begin(raw_headers, path)
         try:
             raw = await _read_body(scope, receive, config.server.max_body_bytes)
             req = parse_request(raw, kind)
-            _check_model(config, req)
+            router = registry.resolve(req.model)
             if router.pd is not None:
                 headers = router.header_policy.forward(raw_headers, request_id)
                 response = await router.pd.serve(req, path, headers, request_id, received)
@@ -268,7 +246,7 @@ def create_app(
                 return
             routed = await router.pipeline.route(req, defer_tail=True)
             router.metrics.chose(routed.decision.terms.get(routed.decision.pod), req.max_tokens)
-            answer = _Answer(router, routed, request_id, level)
+            answer = Answer(router, routed, request_id, level)
             with tracing.span("kvplane.proxy", True):
                 if tracing.on():
                     tracing.set_attributes(pod=routed.decision.pod)
@@ -276,7 +254,7 @@ def create_app(
                     tracing.headers(raw_headers), request_id.encode("latin-1")
                 )
                 dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
-                _child(router, router.metrics.added, *label_values).observe(
+                _child(router, router.metrics.added, *router.metrics.labels.values()).observe(
                     time.perf_counter() - received
                 )
                 try:
@@ -298,10 +276,11 @@ def create_app(
                 error = APIError(500, f"internal error in the router (request {request_id})")
                 await error.response({"x-request-id": request_id})(scope, receive, send)
         finally:
-            _child(router, router.metrics.requests, *label_values, kind, status).inc()
+            values = router.metrics.labels.values()
+            _child(router, router.metrics.requests, *values, kind, status).inc()
             router.tracing.end(traced, status)
 
-    label_values = tuple(labels.values())
+    registry_default = router
     # Raw ASGI endpoints on the hot path: no Request object, no response object, and
     # dispatched ahead of FastAPI's middleware stack. Also routes, for 405 on GET.
     for kind, path in (("completions", "/v1/completions"), ("chat", "/v1/chat/completions")):
@@ -315,31 +294,33 @@ def create_app(
         try:
             raw = await _read_body(request.scope, request.receive, config.server.max_body_bytes)
             req = parse_request(raw)  # chat when the body has "messages"
-            _check_model(config, req)
-            if router.pd is not None:
-                return JSONResponse(router.pd.explain(await router.pd.route(req)))
-            routed = await router.pipeline.route(req)
+            pool = registry.resolve(req.model)
+            if pool.pd is not None:
+                return JSONResponse(pool.pd.explain(await pool.pd.route(req)))
+            routed = await pool.pipeline.route(req)
         except APIError as exc:
             return exc.response()
-        return JSONResponse(_explain_body(router, routed))
+        return JSONResponse(_explain_body(pool, routed))
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse(await _models(router))
+        return JSONResponse(await models_of(registry))
 
     @app.get("/health")
     async def health() -> Response:
-        healthy = router.pool.healthy()
+        healthy = sum(len(r.pool.healthy()) for r in registry)
         if not healthy:
             return APIError(503, "no healthy backend").response()
-        return JSONResponse({"status": "ok", "healthy_backends": len(healthy)})
+        return JSONResponse({"status": "ok", "healthy_backends": healthy})
 
     @app.get("/metrics")
     async def metrics() -> Response:
         now = time.monotonic()
-        for name, st in router.pool.states.items():
-            router.metrics.backend_healthy.labels(**labels, pod=name).set(int(st.routable(now)))
-            router.metrics.inflight.labels(**labels, pod=name).set(st.inflight)
+        for r in registry:
+            own = r.metrics.labels
+            for name, st in r.pool.states.items():
+                r.metrics.backend_healthy.labels(**own, pod=name).set(int(st.routable(now)))
+                r.metrics.inflight.labels(**own, pod=name).set(st.inflight)
         return Response(generate_latest(router.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
@@ -440,17 +421,7 @@ def _child(router: Router, metric: Any, *values: str) -> Any:
     return child
 
 
-def _check_model(config: RouterConfig, req: ParsedRequest) -> None:
-    if req.model != config.model.name:
-        raise APIError(
-            404,
-            f"The model `{req.model}` does not exist. This router serves `{config.model.name}`.",
-            param="model",
-            code="model_not_found",
-        )
-
-
-class _Answer:
+class Answer:
     """How one routed request hears of its answer (the proxy's ``DispatchObserver``):
     the pod that takes it is marked as holding the prompt's blocks until its events say
     otherwise, and the engine's reported cached tokens feed the drift metrics."""
@@ -555,6 +526,15 @@ def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
         "generation": router.generation,
         "candidates": candidates,
     }
+
+
+async def models_of(registry: ModelRegistry) -> dict[str, Any]:
+    """Every pool's models, in pool order (a router or picker serving several)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for data in await asyncio.gather(*(_models(r) for r in registry)):
+        for d in data["data"]:
+            seen.setdefault(d["id"], d)
+    return {"object": "list", "data": list(seen.values())}
 
 
 async def _models(router: Router) -> dict[str, Any]:

@@ -363,7 +363,9 @@ class RouterConfig(_Strict):
     first_byte_timeout_s: Annotated[float, Field(gt=0)] = Field(
         default=30.0,
         description="a stream's first chunk must come within this plus 4x the pod's "
-        "predicted TTFT, else the pod is stalled: it is demoted and the request retried",
+        "predicted TTFT, and a non-streamed request's engine must compute something "
+        "(its token counters move) within as long, else the pod is stalled: it is "
+        "demoted and the request retried",
     )
     demote_first_s: Annotated[float, Field(gt=0)] = Field(
         default=2.0,

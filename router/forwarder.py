@@ -49,6 +49,7 @@ class Cause(Enum):
     CLOSED = "closed"
     TIMEOUT = "timeout"
     BUSY = "busy"
+    STALLED = "stalled"  # the engine took it but computes nothing (router/proxy.py)
 
 
 class BackendUnavailable(Exception):

@@ -31,6 +31,7 @@ import aiohttp
 from kubernetes_asyncio import client as k8s
 from kubernetes_asyncio import config as kconfig
 from kubernetes_asyncio.dynamic import DynamicClient
+from kubernetes_asyncio.dynamic.exceptions import ResourceNotFoundError
 from kubernetes_asyncio.dynamic.resource import Resource
 from kvplane.router.backoff import Backoff
 
@@ -60,7 +61,23 @@ API_VERSIONS: Final[dict[str, str]] = {
     "PrefillPool": "kvplane.io/v1alpha1",
     "DecodePool": "kvplane.io/v1alpha1",
     "KVCacheTier": "kvplane.io/v1alpha1",
+    # the Gateway API Inference Extension's pool, named apart from kvplane's own kind
+    "InferencePool.inference.networking.k8s.io": "inference.networking.k8s.io/v1",
 }
+
+
+def kind_key(obj: Json) -> str:
+    """The key of an object's kind in ``API_VERSIONS``: its kind, qualified by its API
+    group where another group's kind has the same name (GIE's InferencePool)."""
+    kind, version = str(obj["kind"]), str(obj.get("apiVersion", ""))
+    if API_VERSIONS.get(kind, version) == version:
+        return kind
+    return f"{kind}.{version.rpartition('/')[0]}"
+
+
+def not_served(exc: BaseException) -> bool:
+    """The API server serves no such kind (its CRD is not installed)."""
+    return isinstance(exc, ResourceNotFoundError)
 
 
 def in_cluster() -> bool:
@@ -122,7 +139,8 @@ class Kube:
             if self._dynamic is None:
                 cache = os.path.join(self._cache_dir, "discovery.json")
                 self._dynamic = await DynamicClient(self.api, cache_file=cache)
-            found = await self._dynamic.resources.get(api_version=API_VERSIONS[kind], kind=kind)
+            api_version, name = API_VERSIONS[kind], kind.partition(".")[0]
+            found = await self._dynamic.resources.get(api_version=api_version, kind=name)
             self._resources[kind] = found
             return self._dynamic, found
 
@@ -234,7 +252,7 @@ class Kube:
 
     async def apply(self, obj: Json, manager: str) -> Json:
         """Server-side apply: the manager owns exactly the fields it sends."""
-        dyn, res = await self._resource(obj["kind"])
+        dyn, res = await self._resource(kind_key(obj))
         meta = obj["metadata"]
 
         async def request() -> Json:

@@ -41,6 +41,8 @@ class BackendState(LoadCounters):
     # 5xx or dropped requests other pods served); the scraper does not bring it back.
     demoted_until: float = 0.0
     demotions: Backoff | None = None  # while demotions repeat without a good answer
+    scraped_at: float = 0.0  # monotonic time of the last scrape that read /metrics
+    progressed_at: float = 0.0  # ... of the last one whose progress figure had moved
 
     def routable(self, now: float) -> bool:
         return self.healthy and self.demoted_until <= now
@@ -50,11 +52,23 @@ class BackendState(LoadCounters):
         if self.demotions is not None and self.demoted_until <= time.monotonic():
             self.demotions = None
 
-    def observe(self, stats: EngineStats) -> None:
+    def observe(self, stats: EngineStats, now: float | None = None) -> None:
         """A fresh scrape: remember what the router had pending at that instant, which
-        is what the engine's waiting count can be compared with until the next one."""
+        is what the engine's waiting count can be compared with until the next one,
+        and whether the engine has computed anything since the last one."""
+        now = time.monotonic() if now is None else now
+        if stats.progress is not None and stats.progress != self.stats.progress:
+            self.progressed_at = now
         self.stats = stats
+        self.scraped_at = now
         self.scraped_pending_requests = self.pending_requests
+
+    def still_for(self, since: float) -> float:
+        """Seconds the engine has computed nothing since ``since`` (monotonic), as far as
+        scrapes after it show; 0 when the engine has no progress figure."""
+        if self.stats.progress is None:
+            return 0.0
+        return self.scraped_at - max(since, self.progressed_at)
 
     def load(self, mean_request_tokens: float, now: float | None = None) -> PodLoad:
         return PodLoad(

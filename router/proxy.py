@@ -15,9 +15,14 @@ decision's ranking, and whose fault it was decides what happens to the pod:
   fail what others serve: every later request would pay the extra attempt); if
   ``POISON_AFTER`` pods refuse it, the request is at fault: it ends there (502, or
   the engine's own 5xx answer) and no pod is demoted;
-* a non-streamed request with no answer within ``read_timeout_s``: the engine
-  accepted it and is generating, so it is neither retried (another pod would
-  generate it all again) nor held against the pod: 504.
+* a non-streamed request whose engine computes nothing (its token counters, read
+  by the scraper, stand still) for as long as a stream's first chunk may take: the
+  engine is hung behind a fine ``/health``; as for a stalled stream the pod is
+  demoted and the request goes elsewhere (the answer of a non-streamed request
+  comes whole at its end, so its first byte says nothing until then);
+* a non-streamed request with no answer within ``read_timeout_s`` while its engine
+  computes: the engine accepted it and is generating, so it is neither retried
+  (another pod would generate it all again) nor held against the pod: 504.
 
 Once bytes have reached the client nothing can be retried: a stream that breaks
 ends with an SSE error event and ``[DONE]``, never a hang (reads have a timeout).
@@ -34,7 +39,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,7 +52,7 @@ from kvplane.router.forwarder import (
     UpstreamResponse,
 )
 from kvplane.router.load import Attempt
-from kvplane.router.pool import Pool
+from kvplane.router.pool import BackendState, Pool
 from kvplane.router.telemetry import RouterMetrics
 from starlette.types import Receive, Send
 
@@ -57,6 +62,7 @@ _PASS_BACK = (b"content-type", b"x-request-id")
 STALL_FACTOR = 4.0  # a stream's first chunk may take this many predicted TTFTs (+ the floor)
 POISON_AFTER = 2  # pods that refuse one request before it is judged to be at fault
 CLIENT_GONE = 499  # the status a request whose client left is counted under
+_RECHECK_S = 0.25  # how often a non-streamed request's wait looks at its engine's progress
 
 
 class DispatchObserver(Protocol):
@@ -116,6 +122,33 @@ async def _until_disconnect(receive: Receive) -> None:
         message = await receive()
         if message["type"] == "http.disconnect":
             return
+
+
+async def _unless_still(
+    post: Coroutine[Any, Any, UpstreamResponse], state: BackendState, still_s: float
+) -> UpstreamResponse:
+    """``post``'s response head, unless the engine computes nothing for ``still_s``
+    while it waits (``BackendState.still_for``): then the request is abandoned
+    (closing its connection aborts it in the engine) and BackendUnavailable raised."""
+    task = asyncio.ensure_future(post)
+    since = time.monotonic()
+    try:
+        while True:
+            still = state.still_for(since)
+            if still >= still_s:
+                raise BackendUnavailable(
+                    f"the engine computed nothing for {still:.1f} s with the request in "
+                    "flight (its /health answers)",
+                    Cause.STALLED,
+                )
+            # wake when the next scrape could prove it: at the deadline, or soon after
+            done, _ = await asyncio.wait({task}, timeout=max(still_s - still, _RECHECK_S))
+            if done:
+                return task.result()
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
 
 
 class _ClientWatch:
@@ -186,17 +219,14 @@ class Proxy:
             attempt = Attempt(
                 state, d.uncached_tokens.get(pod, 0), time.perf_counter(), d.prompt_tokens
             )
-            # a stream's first chunk, or a whole non-streamed answer, is due by then
-            first_s = (
-                self._first_byte_s + STALL_FACTOR * d.predicted_ttft_s.get(pod, 0.0)
-                if d.stream
-                else None
-            )
+            # a stream's first chunk is due by then; a non-streamed answer may take
+            # longer, as long as its engine computes
+            stall_s = self._first_byte_s + STALL_FACTOR * d.predicted_ttft_s.get(pod, 0.0)
+            first_s = stall_s if d.stream else None
             attempt.begin()
             try:
-                resp = await self._fwd.post(
-                    state.backend.url, d.path, d.header_lines, d.body, first_s
-                )
+                post = self._fwd.post(state.backend.url, d.path, d.header_lines, d.body, first_s)
+                resp = await (post if d.stream else _unless_still(post, state, stall_s))
             except BackendUnavailable as exc:
                 attempt.end()
                 last_error = f"{pod}: {exc}"
@@ -271,7 +301,7 @@ class Proxy:
             self._pool.mark_unhealthy(pod, f"unreachable: {why}")
         elif cause is Cause.BUSY:
             raise APIError(503, f"the router is at its limit of requests in flight: {why}")
-        elif cause is Cause.TIMEOUT and stream:
+        elif cause is Cause.STALLED or (cause is Cause.TIMEOUT and stream):
             self._pool.demote(pod, f"stalled: {why}")
         elif cause is Cause.TIMEOUT:
             raise APIError(

@@ -6,10 +6,10 @@ import os
 
 from fastapi import FastAPI
 from kvplane.router.app import create_app
-from kvplane.router.config import load_config
+from kvplane.router.models import load_pools
 
 
 def app_from_env() -> FastAPI:
-    config = load_config(os.environ["KVPLANE_ROUTER_CONFIG"])
+    configs = load_pools(os.environ["KVPLANE_ROUTER_CONFIG"])  # one pool, or pools: [...]
     embedded = True if os.environ.get("KVPLANE_EMBEDDED_INDEXER") == "1" else None
-    return create_app(config, embedded_indexer=embedded)
+    return create_app(configs, embedded_indexer=embedded)

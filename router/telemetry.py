@@ -9,6 +9,7 @@ the cost model's prediction for the chosen pod (router/tiers.py).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from kvplane.router.cost import CostTerms
@@ -22,6 +23,13 @@ _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class RouterMetrics:
+    def for_pool(self, pool: str, model: str) -> RouterMetrics:
+        """The same metrics (and registry) with another pool's labels: several pools in
+        one process export one set of families."""
+        view = copy.copy(self)
+        view.labels = {"pool": pool, "model": model}
+        return view
+
     def __init__(self, pool: str, model: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry

@@ -381,6 +381,7 @@ RENDERED = {
     ("autoscaling", "horizontalpodautoscalers"),
     ("networking.k8s.io", "networkpolicies"),
     ("rbac.authorization.k8s.io", "rolebindings"),
+    ("inference.networking.k8s.io", "inferencepools"),  # GIE's, with spec.gateway
 }
 
 

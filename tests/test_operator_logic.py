@@ -11,6 +11,7 @@ from kvplane.operator.compare import covers, quantity
 from kvplane.operator.peering import Peering, active, pauses
 from kvplane.operator.reconcile import PRUNABLE
 from kvplane.operator.workqueue import RETRY, Result, WorkQueue
+from kvplane.router.kube import kind_key
 
 from kvplane.types import Json
 
@@ -126,5 +127,5 @@ def test_every_rendered_kind_is_watched_and_pruned() -> None:
     every pass and never pruned."""
     from test_render import SCENARIOS
 
-    rendered = {o["kind"] for s in SCENARIOS for o in s.render()}
+    rendered = {kind_key(o) for s in SCENARIOS for o in s.render()}
     assert rendered <= set(PRUNABLE), rendered - set(PRUNABLE)

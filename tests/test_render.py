@@ -121,6 +121,11 @@ SCENARIOS: list[Scenario] = [
         {"main": _pool(replicas=2, resources={"requests": {"cpu": "8", "memory": "64Gi"}})},
     ),
     Scenario(
+        "vllm-gateway",
+        {"model": LLAMA, "gateway": {"failureMode": "FailOpen"}},
+        {"main": _pool(replicas=2)},
+    ),
+    Scenario(
         "vllm-pd-nixl",
         {
             "model": {**LLAMA, "maxModelLen": 32768},
@@ -722,7 +727,8 @@ def test_only_kvplane_components_reach_engines_and_redis() -> None:
     """Engines' KV event and replay ports: indexer and router only; their HTTP port (and
     with P/D their bootstrap port): the router only; any port: the pool's other engines
     (P/D transfers); the managed Redis: router and indexer only. A pod of another pool,
-    or any other pod, reaches none."""
+    or any other pod, reaches none. With ``gateway`` the picker reaches what the router
+    does, and any pod the engines' HTTP port alone (the Gateway's Envoy)."""
     for scenario in SCENARIOS:
         objects = scenario.render()
         policies = [o for o in objects if o["kind"] == "NetworkPolicy"]
@@ -740,6 +746,8 @@ def test_only_kvplane_components_reach_engines_and_redis() -> None:
             prefill[1] if prefill else None, list(scenario.decode_specs().values())
         )
         router_ports = events | {N.ENGINE_HTTP_PORT}
+        gateway = scenario.ipool.get("gateway") is not None
+        anyone = {N.ENGINE_HTTP_PORT} if gateway else set()
         if transfer is not None:  # the router asks a prefill pod's bootstrap server
             router_ports.add(transfer.bootstrap_port)
         for role in N.ENGINE_ROLES:
@@ -747,12 +755,14 @@ def test_only_kvplane_components_reach_engines_and_redis() -> None:
                 continue
             engine = pods[role.value]
             assert _admitted(policies, engine, pods["router"]) == router_ports
-            assert _admitted(policies, engine, pods["indexer"]) == events
+            assert _admitted(policies, engine, pods["indexer"]) == events | anyone
+            if gateway:
+                assert _admitted(policies, engine, pods["picker"]) == router_ports
             for other in N.ENGINE_ROLES:
                 if other.value in pods:
-                    assert _admitted(policies, engine, pods[other.value]) == {ALL_PORTS}
+                    assert _admitted(policies, engine, pods[other.value]) == {ALL_PORTS} | anyone
             for source in [*outsiders, *([pods["redis"]] if "redis" in pods else [])]:
-                assert _admitted(policies, engine, source) == set(), (scenario.name, source)
+                assert _admitted(policies, engine, source) == anyone, (scenario.name, source)
         if "redis" in pods:
             redis = pods["redis"]
             for reader in ("router", "indexer"):

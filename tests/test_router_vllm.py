@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import redis
 import yaml
@@ -117,6 +118,8 @@ def test_engine_stats_agree_with_prometheus_clients_parser(
     assert got.kv_usage == want["vllm:kv_cache_usage_perc"]
     assert got.prefix_hits == want["vllm:prefix_cache_hits_total"] > 0
     assert got.prefix_queries == want["vllm:prefix_cache_queries_total"] > 0
+    progress = want["vllm:prompt_tokens_total"] + want["vllm:generation_tokens_total"]
+    assert got.progress == progress > 0
     # a sample with a timestamp after its value reads as its value
     stamped = text + "sglang:num_queue_reqs 7 1700000000000\n"
     assert parse_metrics(stamped).waiting == got.waiting + 7
@@ -279,3 +282,61 @@ def test_standalone_indexer_feeds_redis_for_router_replicas(
         indexer.terminate()
         indexer.wait(timeout=20)
     assert indexer.returncode == 0, log.read_text()[-3000:]
+
+
+def _engine_core(engine: VllmEngine) -> psutil.Process:
+    """vLLM's engine core: the API server's child process that runs the scheduler."""
+    children = psutil.Process(engine.pid).children()
+    cores = [c for c in children if "EngineCore" in " ".join(c.cmdline()) + c.name()]
+    assert len(cores) == 1, [(c.pid, c.name(), c.cmdline()) for c in children]
+    return cores[0]
+
+
+def test_a_hung_engine_core_costs_a_retry_not_the_read_timeout(
+    vllm_engine_factory: EngineFactory, tiny_model: Path
+) -> None:
+    """vLLM's engine core stopped (SIGSTOP, a real hang: the API server still answers
+    /health and /metrics, but the engine's token counters stand still). A non-streamed
+    request sent there is taken back once the counters prove the hang and served by the
+    other pod, and the hung pod is demoted; a long generation on an engine that computes
+    is left to finish although it takes longer than that."""
+    hung, good = vllm_engine_factory(["h0", "h1"])
+    config = config_for(
+        [hung, good],
+        tiny_model,
+        policy="round_robin",
+        first_byte_timeout_s=5,
+        read_timeout_s=300,  # without the progress watch: a 504 after this
+        demote_first_s=300,
+    )
+    with serve_router(config) as router:
+        long = {"model": "tiny", "prompt": unique_text(20), "max_tokens": 3000, "ignore_eos": True}
+        started = time.monotonic()
+        r = httpx.post(f"{router.url}/v1/completions", json=long, timeout=300)
+        took = time.monotonic() - started
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 3000
+        assert r.headers["x-kvplane-attempts"] == "1", "a computing engine was left"
+        if took <= 2 * 3:  # the watch must have had a chance to judge it
+            pytest.skip(f"the long generation took {took:.1f} s, under the stall window")
+        state = router.router.pool.states[hung.name]
+        core = _engine_core(hung)
+        core.suspend()
+        try:
+            wait_until_health(hung)
+            answers = []
+            for i in range(2):  # round robin: one of the two goes to the hung pod first
+                body = {"model": "tiny", "prompt": f"{unique_text(30)} {i}", "max_tokens": 4}
+                resp = httpx.post(f"{router.url}/v1/completions", json=body, timeout=300)
+                answers.append(resp)
+            assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+            assert {a.headers["x-kvplane-pod"] for a in answers} == {good.name}
+            assert sorted(a.headers["x-kvplane-attempts"] for a in answers) == ["1", "2"]
+            assert state.healthy and state.demoted_until > time.monotonic()
+        finally:
+            core.resume()
+
+
+def wait_until_health(engine: VllmEngine) -> None:
+    """The stopped core's API server still answers /health (what makes the hang hidden)."""
+    assert httpx.get(f"{engine.url}/health", timeout=30).status_code == 200

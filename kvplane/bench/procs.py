@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -138,7 +138,11 @@ def http_post(port: int, path: str, body: bytes, timeout: float = 10.0) -> tuple
         return 0, b""
 
 
-def wait_ready(proc: Proc, port: int, timeout: float, probe: bytes | None) -> bool:
+class Alive(Protocol):
+    def alive(self) -> bool: ...
+
+
+def wait_ready(proc: Alive, port: int, timeout: float, probe: bytes | None) -> bool:
     """Polls /health (then one completion, when given) until it answers; bounded in time."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

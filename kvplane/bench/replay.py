@@ -6,6 +6,10 @@ does: a router that queues badly shows it in TTFT instead of slowing the load.
 Each request streams; TTFT is the first content chunk, inter-token latency the
 mean gap between first and last token, cached tokens come from the final usage
 chunk. Times are converted back to simulated seconds, so figures read as H100s.
+A peer's benchmark proxy may name the engine it chose (``x-bench-backend``) and the
+milliseconds it spent on work the peer's real frontend does natively
+(``x-bench-overhead-ms``, e.g. tokenizing in Python where the peer does it in Rust):
+that time is taken out of the request's TTFT.
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 
+from kvplane.bench.peers import BACKEND_HEADER, OVERHEAD_HEADER, worker_of
 from kvplane.workload.results import RequestResult
 from kvplane.workload.traces import TraceRequest
 
@@ -28,6 +34,15 @@ class ReplayItem:
     prompt: str
 
 
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    """What one router needs beyond the common request: fields added to every body, and
+    the names of the workers it reports by id in a chunk's ``nvext.worker_id`` (Dynamo)."""
+
+    extra_body: Mapping[str, Any] = field(default_factory=dict)
+    worker_names: Mapping[int, str] = field(default_factory=dict)
+
+
 async def _one(
     client: httpx.AsyncClient,
     url: str,
@@ -36,9 +51,11 @@ async def _one(
     item: ReplayItem,
     time_scale: float,
     timeout_s: float,
+    options: ReplayOptions,
 ) -> RequestResult:
     req = item.request
-    body = {
+    body: dict[str, Any] = {
+        **options.extra_body,
         "model": model,
         "prompt": item.prompt,
         "max_tokens": req.output_tokens,
@@ -49,6 +66,7 @@ async def _one(
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
+    overhead_s = 0.0  # what a peer's proxy spent on work its real frontend does natively
     first: float | None = None
     last: float | None = None
     completion_tokens = 0
@@ -60,7 +78,8 @@ async def _one(
         async with client.stream(
             "POST", url + "/v1/completions", json=body, timeout=timeout_s
         ) as resp:
-            backend = resp.headers.get("x-kvplane-pod")
+            backend = resp.headers.get("x-kvplane-pod") or resp.headers.get(BACKEND_HEADER)
+            overhead_s = float(resp.headers.get(OVERHEAD_HEADER) or 0.0) / 1000.0
             if resp.status_code != 200:
                 error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             else:
@@ -74,6 +93,8 @@ async def _one(
                     if "error" in chunk:
                         error = str(chunk["error"])[:200]
                         break
+                    if backend is None and options.worker_names:
+                        backend = options.worker_names.get(worker_of(chunk) or -1)
                     now = time.perf_counter()
                     choices = chunk.get("choices") or []
                     if choices and choices[0].get("text"):
@@ -93,7 +114,7 @@ async def _one(
     if error is None and first is None:
         error = "no token received"
     ok = error is None
-    ttft = (first - start) / time_scale if first is not None else None
+    ttft = (first - start - overhead_s) / time_scale if first is not None else None
     itl = None
     if first is not None and last is not None and completion_tokens > 1:
         itl = (last - first) / time_scale / (completion_tokens - 1)
@@ -108,6 +129,7 @@ async def _one(
         backend=backend,
         arrival_s=req.arrival_s,
         error=error,
+        overhead_s=overhead_s,
     )
 
 
@@ -121,8 +143,10 @@ async def replay(
     timeout_s: float = 600.0,
     max_connections: int = 512,
     progress: Callable[[int, int], None] | None = None,
+    options: ReplayOptions | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Sends every item at its arrival time; returns results and the wall duration."""
+    opts = options or ReplayOptions()
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
     done = 0
     results: list[RequestResult | None] = [None] * len(items)
@@ -134,7 +158,7 @@ async def replay(
             delay = t0 + item.request.arrival_s * time_scale - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            results[i] = await _one(client, url, model, router, item, time_scale, timeout_s)
+            results[i] = await _one(client, url, model, router, item, time_scale, timeout_s, opts)
             done += 1
             if progress is not None:
                 progress(done, len(items))

@@ -5,7 +5,8 @@ flags: kvplane (the cost policy and every other registered policy as a baseline:
 ``kvplane-<policy>``),
 the PyPI ``vllm-router`` (``kv_aware`` fed by the engines' KV events, which it
 discovers from each worker's ``/kv_event_sources``; ``cache_aware``,
-``consistent_hash``, ``round_robin``) and ``sglang-router`` (``cache_aware``).
+``consistent_hash``, ``round_robin``), ``sglang-router`` (``cache_aware``) and NVIDIA
+Dynamo's KV router (``dynamo``, ``dynamo-<settings>``: kvplane.bench.peers.dynamo).
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 import yaml
 
-from kvplane.bench.procs import HOST, venv_bin
+from kvplane.bench.peers import dynamo
+from kvplane.bench.peers.dynamo import RunningPeer, WorkerSpec
+from kvplane.bench.procs import HOST, spawn, venv_bin
 from kvplane.local.ports import free_port
 from kvplane.router.config import TierCost
 from kvplane.router.policies import labelled
@@ -26,7 +29,9 @@ from kvplane.router.policies import labelled
 KVPLANE_POLICIES = labelled()  # every registered policy: kvplane, kvplane-<policy>
 VLLM_ROUTER_POLICIES = ("kv_aware", "cache_aware", "consistent_hash", "round_robin")
 PEERS = (*(f"vllm-router-{p}" for p in VLLM_ROUTER_POLICIES), "sglang-router-cache_aware")
-ALL_ROUTERS = (*KVPLANE_POLICIES, *PEERS)
+# kvplane's cost policy as a Gateway API endpoint picker behind real Envoy
+GATEWAY = "kvplane-envoy"
+ALL_ROUTERS = (*KVPLANE_POLICIES, GATEWAY, *PEERS, "dynamo", "dynamo-<presets>")
 # a run without --routers: kvplane, its strongest baselines and every peer
 DEFAULT_ROUTERS = (
     "kvplane",
@@ -58,6 +63,8 @@ class ModelFacts:
     decode_step_ms: float
     dram: TierCost | None = None  # the engines' CPU tier, where they have one
     cost_set: dict[str, Any] = field(default_factory=dict)  # cost overrides (experiments)
+    max_num_batched_tokens: int = 8192  # the engines' scheduler budget (peers register it)
+    kv_blocks: int = 0  # the engines' KV capacity in blocks (peers register it)
 
 
 @dataclass
@@ -111,6 +118,12 @@ def launch_for(
         argv = [venv_bin("kvplane"), "--log-level", "warning", "router", "--config", str(cfg)]
         argv += ["--host", HOST, "--port", str(port)]
         return RouterLaunch(name, port, argv)
+    if name == GATEWAY:
+        cfg = rundir / f"{name}.yaml"
+        cfg.write_text(yaml.safe_dump(kvplane_config(model, engines, "cost")))
+        argv = [sys.executable, "-m", "kvplane.local.gateway", "--config", str(cfg)]
+        argv += ["--port", str(port), "--log-dir", str(rundir)]
+        return RouterLaunch(name, port, argv)
     if name.startswith("vllm-router-"):
         policy = name.removeprefix("vllm-router-")
         argv = [venv_bin("vllm-router"), "--host", HOST, "--port", str(port), "--worker-urls"]
@@ -126,3 +139,46 @@ def launch_for(
         argv += ["--prometheus-port", str(free_port()), "--log-level", "warn"]
         return RouterLaunch(name, port, argv, {"NO_COLOR": "1"})
     raise SystemExit(f"bench routing: unknown router {name!r} (choose from {ALL_ROUTERS})")
+
+
+def worker_specs(model: ModelFacts, engines: Sequence[EngineEndpoint]) -> list[WorkerSpec]:
+    """The fleet as Dynamo registers it: worker ids from 1, the engines' real scheduler
+    budget and KV capacity."""
+    return [
+        WorkerSpec(
+            worker_id=i + 1,
+            name=e.name,
+            url=e.url,
+            kv_events=e.kv_events,
+            replay=e.replay,
+            block_size=model.block_size,
+            max_num_batched_tokens=model.max_num_batched_tokens,
+            total_kv_blocks=model.kv_blocks,
+        )
+        for i, e in enumerate(engines)
+    ]
+
+
+def start_router(
+    name: str,
+    model: ModelFacts,
+    engines: Sequence[EngineEndpoint],
+    rundir: Path,
+    time_scale: float,
+    token_table: Path | None = None,
+) -> RunningPeer:
+    """Start router ``name`` in front of ``engines``: its processes and its port
+    (``token_table``: the run's prompts' token ids, for a peer that would otherwise
+    tokenize in Python what it tokenizes natively)."""
+    if dynamo.is_selector_peer(name):
+        return dynamo.start_selector_peer(
+            name,
+            worker_specs(model, engines),
+            model.tokenizer,
+            rundir,
+            time_scale,
+            sys.executable,
+            token_table,
+        )
+    launch = launch_for(name, model, engines, rundir)
+    return RunningPeer(name, launch.port, [spawn(name, launch.argv, rundir, launch.env)])

@@ -24,11 +24,13 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kvplane.bench import routing_report
+from kvplane.bench import floor, routing_report
+from kvplane.bench.peers import dynamo, dynamo_mocker
+from kvplane.bench.peers.dynamo_proxy import write_token_table
 from kvplane.bench.procs import (
     HOST,
     Proc,
@@ -46,12 +48,25 @@ from kvplane.bench.procs import (
     versions,
     wait_ready,
 )
-from kvplane.bench.replay import ReplayItem, replay
-from kvplane.bench.routers import DEFAULT_ROUTERS, EngineEndpoint, ModelFacts, launch_for
+from kvplane.bench.replay import ReplayItem, ReplayOptions, replay
+from kvplane.bench.routers import DEFAULT_ROUTERS, EngineEndpoint, ModelFacts, start_router
 from kvplane.router.config import CostParams
 from kvplane.router.tiers import Tier
-from kvplane.workload.results import RequestResult, oracle_hit_ratio, summarize
-from kvplane.workload.traces import WORKLOAD_NAMES, PromptBuilder, Workload, build_workload
+from kvplane.workload.results import (
+    RequestResult,
+    computed_prefill,
+    oracle_hit_ratio,
+    percentile,
+    save_results,
+    summarize,
+)
+from kvplane.workload.traces import (
+    WORKLOAD_NAMES,
+    PromptBuilder,
+    TraceRequest,
+    Workload,
+    build_workload,
+)
 
 MODEL = "sim-llama-3.1-8b"
 
@@ -99,6 +114,9 @@ class Fleet:
                 out.append(json.loads(r.read()))
         return out
 
+    def stop(self) -> None:
+        self.proc.stop()
+
 
 def start_fleet(
     args: argparse.Namespace,
@@ -140,6 +158,31 @@ class RunOutput:
     results: list[RequestResult]
 
 
+def mocker_spec(args: argparse.Namespace, facts: ModelFacts) -> dynamo_mocker.MockerSpec:
+    """Dynamo's mockers with the run's engine profile (capacity, budget, CPU tier)."""
+    from kvplane.sim.des import profile_for
+
+    prof = profile_for(args.profile, args.block_size)
+    return dynamo_mocker.MockerSpec(
+        model=MODEL,
+        tokenizer=facts.tokenizer,
+        block_size=facts.block_size,
+        kv_blocks=facts.kv_blocks,
+        max_num_batched_tokens=facts.max_num_batched_tokens,
+        max_model_len=facts.max_model_len,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        time_scale=args.time_scale,
+        host_blocks=prof.cpu_offload_blocks,
+        host_gbps=prof.cpu_bandwidth_gbps,
+    )
+
+
+def start_mocker_fleet(
+    args: argparse.Namespace, facts: ModelFacts, rundir: Path, *, pooled: bool
+) -> dynamo_mocker.MockerFleet:
+    return dynamo_mocker.start_fleet(mocker_spec(args, facts), args.engines, rundir, pooled=pooled)
+
+
 def run_one(
     router: str,
     workload: Workload,
@@ -149,39 +192,60 @@ def run_one(
     args: argparse.Namespace,
     rundir: Path,
     load_factor: float = 1.0,
+    token_table: Path | None = None,
 ) -> RunOutput:
-    fleet = start_fleet(args, facts.tokenizer, rundir, facts.block_size)
-    launch = launch_for(router, facts, fleet.engines, rundir)
-    rproc = spawn(router, launch.argv, rundir, launch.env)
+    mockers = args.fleet == "dynamo-mocker"
+    fleet: Fleet | dynamo_mocker.MockerFleet = (
+        start_mocker_fleet(args, facts, rundir, pooled=dynamo.is_frontend_peer(router))
+        if mockers
+        else start_fleet(args, facts.tokenizer, rundir, facts.block_size)
+    )
+    engines = fleet.engines if isinstance(fleet, Fleet) else fleet.endpoints
+    opts = ReplayOptions()
+    try:
+        if dynamo.is_frontend_peer(router):
+            if not isinstance(fleet, dynamo_mocker.MockerFleet):
+                raise SystemExit(f"bench routing: {router} runs on --fleet dynamo-mocker only")
+            running = fleet.start_frontend(router)
+            opts = ReplayOptions(dynamo_mocker.WORKER_ID_BODY, fleet.worker_names)
+        else:
+            running = start_router(router, facts, engines, rundir, args.time_scale, token_table)
+    except BaseException:
+        fleet.stop()
+        raise
     try:
         probe = json.dumps({"model": MODEL, "prompt": "ready?", "max_tokens": 1}).encode()
-        if not wait_ready(rproc, launch.port, 120, probe):
-            raise SystemExit(f"bench routing: router {router} not ready:\n{rproc.tail()}")
+        if not wait_ready(running, running.port, 120, probe):
+            raise SystemExit(f"bench routing: router {router} not ready:\n{running.tail()}")
         # the probe cached a block somewhere: forget it so every router starts cold
         time.sleep(1.0)
-        cpu0 = cpu_seconds(rproc.popen.pid)
-        stats0 = fleet.stats()
+        cpu0 = sum(cpu_seconds(pid) for pid in running.pids)
+        stats0 = fleet.stats() if isinstance(fleet, Fleet) else []
         bar = Progress(f"{workload.name} x{load_factor:g} {router}", not args.no_progress)
         results, wall = asyncio.run(
             replay(
-                f"http://{HOST}:{launch.port}",
+                f"http://{HOST}:{running.port}",
                 MODEL,
                 router,
                 items,
                 time_scale=args.time_scale,
                 timeout_s=args.request_timeout,
                 progress=bar,
+                options=opts,
             )
         )
-        cpu = cpu_seconds(rproc.popen.pid) - cpu0
-        stats1 = fleet.stats()
+        cpu = sum(cpu_seconds(pid) for pid in running.pids) - cpu0
+        stats1 = fleet.stats() if isinstance(fleet, Fleet) else []
     finally:
-        rproc.stop()
-        fleet.proc.stop()
-    prefill = {
-        s1["name"]: int(s1["prefill_tokens_computed"]) - int(s0["prefill_tokens_computed"])
-        for s0, s1 in zip(stats0, stats1, strict=True)
-    }
+        running.stop()
+        fleet.stop()
+    if stats1:
+        prefill = {
+            s1["name"]: int(s1["prefill_tokens_computed"]) - int(s0["prefill_tokens_computed"])
+            for s0, s1 in zip(stats0, stats1, strict=True)
+        }
+    else:  # engines without counters: what the client saw (prompt - cached per engine)
+        prefill = computed_prefill(results, [e.name for e in engines])
     offered = len(items) / max(items[-1].request.arrival_s, 1e-9) if items else 0.0
     rec = summarize(
         router,
@@ -198,11 +262,24 @@ def run_one(
     )
     out = rec.to_json()
     out["load_factor"] = load_factor
-    # engines whose event loop fell behind the modeled timeline (an overloaded machine):
-    # such a run's latencies include the machine's, not only the fleet's
-    out["sim_max_lag_s"] = round(max(float(s.get("max_lag_s", 0.0)) for s in stats1), 3)
-    out["sim_lag_resyncs"] = sum(int(s.get("lag_resyncs", 0)) for s in stats1)
+    out["fleet"] = args.fleet
+    out["prefill_tokens_computed"] = sum(prefill.values())
+    out.update({k: str(v) for k, v in running.notes.items()})
+    if stats1:
+        # requests each engine received, to compare with the pods the router named
+        out["engine_requests"] = {
+            s1["name"]: int(s1["requests"]) - int(s0["requests"])
+            for s0, s1 in zip(stats0, stats1, strict=True)
+        }
+        # engines whose event loop fell behind the modeled timeline (an overloaded
+        # machine): such a run's latencies include the machine's, not only the fleet's
+        out["sim_max_lag_s"] = round(max(float(s.get("max_lag_s", 0.0)) for s in stats1), 3)
+        out["sim_lag_resyncs"] = sum(int(s.get("lag_resyncs", 0)) for s in stats1)
     out["error_samples"] = sorted({str(r.error) for r in results if r.error})[:5]
+    taken = [r.overhead_s * 1000.0 for r in results if r.overhead_s]
+    if taken:  # a peer proxy's tokenizer time, taken out of its TTFT (wall ms)
+        out["peer_tokenize_ms_p50"] = round(percentile(taken, 50), 3)
+        out["peer_tokenize_ms_p99"] = round(percentile(taken, 99), 3)
     return RunOutput(out, results)
 
 
@@ -211,9 +288,21 @@ def run_one(
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("http", "des"), default="http")
+    p.add_argument(
+        "--fleet",
+        choices=("sim", "dynamo-mocker"),
+        default="sim",
+        help="engines: kvplane's simulator, or Dynamo's mockers (python -m dynamo.mocker)",
+    )
     p.add_argument("--workloads", default="mooncake,gsp", help=f"comma list of {WORKLOAD_NAMES}")
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), help="comma list")
     p.add_argument("--trace", default=None, help="a Mooncake-format JSONL trace")
+    p.add_argument(
+        "--shape",
+        default="",
+        help="synthetic workloads' sizes, e.g. 'long-doc-qa:documents=40,repeat_count=4;"
+        "multi-round-qa:users=64,rounds=8' (the builders' keyword arguments)",
+    )
     p.add_argument("--limit", type=int, default=400, help="requests per workload")
     p.add_argument("--rate-scale", type=float, default=None, help="offered load multiplier")
     p.add_argument("--engines", type=int, default=8)
@@ -244,7 +333,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--save-requests", default=None, help="folder for per-request results (jsonl.xz)"
+    )
     p.add_argument("--quick", action="store_true", help="a small smoke run")
+    p.add_argument(
+        "--skip-base",
+        action="store_true",
+        help="run only the sweep's loads (with --sweep-routers naming the routers)",
+    )
+    p.add_argument(
+        "--tag",
+        default="",
+        help="names this table: its JSON file and its own RESULTS.md section",
+    )
 
 
 # Offered load per workload (x its native rate) that puts the best peer near
@@ -258,6 +360,18 @@ DEFAULT_RATE_SCALE = {
 }
 
 
+def shapes(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--shape 'long-doc-qa:documents=40,repeat_count=4;multi-round-qa:users=64'``."""
+    out: dict[str, dict[str, Any]] = {}
+    for part in (getattr(args, "shape", "") or "").split(";"):
+        if part.strip():
+            name, sep, settings = part.partition(":")
+            if not sep:
+                raise SystemExit(f"bench: expected workload:key=value,..., got {part!r}")
+            out[name.strip()] = parse_settings(settings)
+    return out
+
+
 def _rate(args: argparse.Namespace, workload: str) -> float:
     if args.rate_scale is not None:
         return float(args.rate_scale)
@@ -269,11 +383,12 @@ def model_facts(
 ) -> ModelFacts:
     """The fleet as kvplane is told of it, calibrated as the discrete-event mode is
     (``cost_params_for``); ``cost_set`` overrides cost keys (experiments)."""
-    from kvplane.sim.des import cost_params_for
+    from kvplane.sim.des import cost_params_for, profile_for
     from kvplane.sim.profiles import PROFILES
 
     prof = PROFILES[args.profile]
     cost = cost_params_for(prof)
+    engine = profile_for(args.profile, args.block_size)
     return ModelFacts(
         name=MODEL,
         tokenizer=tokenizer,
@@ -284,7 +399,66 @@ def model_facts(
         decode_step_ms=cost.decode_step_ms,
         dram=cost.tiers[Tier.DRAM] if prof.cpu_offload_blocks else None,
         cost_set=dict(cost_set or {}),
+        max_num_batched_tokens=engine.max_num_batched_tokens,
+        kv_blocks=engine.num_gpu_blocks,
     )
+
+
+def _floor_model(
+    args: argparse.Namespace, builder: PromptBuilder, facts: ModelFacts, rundir: Path
+) -> floor.PrefillModel:
+    """The fleet's idle-engine timing model: kvplane's simulator in closed form, Dynamo's
+    mocker measured on a grid (once per invocation)."""
+    from kvplane.sim.des import profile_for
+
+    if args.fleet != "dynamo-mocker":
+        return floor.sim_model(profile_for(args.profile, args.block_size))
+    spec = mocker_spec(args, facts)
+
+    def text(seed: int, n: int) -> str:
+        segs = tuple(CALIBRATION_SEGMENTS + seed * 1000 + k for k in range(n // 512 + 1))
+        return builder.text(TraceRequest(0.0, "calibration", n, 1, segs, 512))
+
+    grid = dynamo_mocker.calibrate(spec, rundir, text)
+    print(f"mocker idle-engine TTFT grid (ms): {json.dumps(grid.to_json())}", flush=True)
+    args.floor_grid = grid.to_json()
+    return grid
+
+
+CALIBRATION_SEGMENTS = 10**9  # segment ids no workload uses
+
+
+def best_dynamo(runs: Sequence[Mapping[str, Any]], workload: str) -> str | None:
+    """The Dynamo setting with the lowest TTFT p90 at the base load of ``workload``."""
+    rows = [
+        r
+        for r in runs
+        if r["workload"] == workload
+        and float(r.get("load_factor", 1.0)) == 1.0
+        and (dynamo.is_selector_peer(r["router"]) or dynamo.is_frontend_peer(r["router"]))
+        and not r.get("errors")
+        and r.get("ttft_p90_ms") is not None
+    ]
+    return min(rows, key=lambda r: r["ttft_p90_ms"])["router"] if rows else None
+
+
+def sweep_routers(
+    args: argparse.Namespace, runs: Sequence[Mapping[str, Any]], wl: str
+) -> list[str]:
+    """``--sweep-routers``, with ``@best-dynamo`` resolved from the base load's rows."""
+    out: list[str] = []
+    for name in csv_list(args.sweep_routers):
+        if name == BEST_DYNAMO:
+            best = best_dynamo(runs, wl)
+            if best is None:
+                continue
+            name = best
+        if name not in out:
+            out.append(name)
+    return out
+
+
+BEST_DYNAMO = "@best-dynamo"
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -302,24 +476,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _run_des(args, builder, routers, sweep)
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-routing-") as tmp:
         rundir = Path(tmp)
+        model = _floor_model(args, builder, facts, rundir)
+        if isinstance(model, floor.GridModel):  # kvplane calibrated to the mocker's prefill
+            facts = replace(facts, prefill_tokens_per_s=model.prefill_tokens_per_s())
+            args.mocker_prefill_tokens_per_s = round(facts.prefill_tokens_per_s)
         for wname in csv_list(args.workloads):
-            for factor in [1.0, *[f for f in sweep if f != 1.0]]:
+            fl: floor.Floor | None = None
+            for factor in _factors(args, sweep):
                 wl = build_workload(
                     wname,
                     trace=Path(args.trace) if args.trace else None,
                     limit=args.limit,
                     start=0,
                     rate_scale=_rate(args, wname) * factor,
+                    shape=shapes(args).get(wname),
                 )
+                fl = fl or floor.floor_of(wl, args.block_size, model)
                 oracle = oracle_hit_ratio(builder, wl, args.block_size)
                 items = [ReplayItem(r, builder.text(r)) for r in wl.requests]
-                names = routers if factor == 1.0 else csv_list(args.sweep_routers)
+                names = routers if factor == 1.0 else sweep_routers(args, runs, wname)
+                table = None
+                if any(dynamo.is_selector_peer(n) for n in names):
+                    table = write_token_table(
+                        rundir / "tokens.bin",
+                        ((it.prompt, builder.token_ids(it.request)) for it in items),
+                    )
                 for router in names:
-                    out = run_one(router, wl, items, oracle, facts, args, rundir, factor)
+                    out = run_one(router, wl, items, oracle, facts, args, rundir, factor, table)
                     out.record["sweep"] = bool(sweep)
+                    out.record.update(fl.quantiles(), slo_ms=round(fl.slo_ms, 3))
+                    if args.save_requests:
+                        name = f"{args.fleet}-{args.profile}-{wname}-{router}-x{factor:g}"
+                        save_results(Path(args.save_requests) / f"{name}.jsonl.xz", out.results)
                     runs.append(_with_quantiles(out.record, out.results, factor))
                     _print_row(out.record)
     return _finish(args, runs)
+
+
+def _factors(args: argparse.Namespace, sweep: Sequence[float]) -> list[float]:
+    """The base load, then the sweep's; ``--skip-base`` redoes only the sweep's loads (a
+    rerun of loads a busy machine spoiled: their rows replace the earlier ones)."""
+    rest = [f for f in sweep if f != 1.0]
+    return rest if getattr(args, "skip_base", False) else [1.0, *rest]
 
 
 def _run_des(
@@ -358,8 +556,10 @@ def _des_workload(
     index_url: str | None,
     runs: list[dict[str, Any]],
 ) -> None:
-    from kvplane.sim.des import DesOptions, run_des
+    from kvplane.sim.des import DesOptions, profile_for, run_des
 
+    model = floor.sim_model(profile_for(args.profile, args.block_size))
+    fl: floor.Floor | None = None
     for factor in [1.0, *[f for f in sweep if f != 1.0]]:
         wl = build_workload(
             wname,
@@ -367,7 +567,9 @@ def _des_workload(
             limit=args.limit or None,
             start=0,
             rate_scale=_rate(args, wname) * factor,
+            shape=shapes(args).get(wname),
         )
+        fl = fl or floor.floor_of(wl, args.block_size, model)
         notes = [] if index_url is None else ["index redis"]
         opts = DesOptions(
             oracle=oracle_hit_ratio(wl, args.block_size),
@@ -390,6 +592,13 @@ def _des_workload(
             row = rec.to_json()
             row["load_factor"] = factor
             row["sweep"] = bool(sweep)
+            row["prefill_tokens_computed"] = sum(
+                r.prompt_tokens - (r.cached_tokens or 0) for r in results if r.ok
+            )
+            row.update(fl.quantiles(), slo_ms=round(fl.slo_ms, 3))
+            if args.save_requests:
+                name = f"des-{args.profile}-{wname}-{router}-x{factor:g}"
+                save_results(Path(args.save_requests) / f"{name}.jsonl.xz", results)
             runs.append(_with_quantiles(row, results, factor))
             _print_row(row)
 
@@ -428,20 +637,25 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
             "block size": args.block_size,
             "time scale": args.time_scale,
             "requests per workload": args.limit,
+            **({"fleet": args.fleet} if args.fleet != "sim" else {}),
+            **({"workload shapes": args.shape} if args.shape else {}),
             **({"kvplane cost": args.cost_set} if args.cost_set else {}),
         },
         "machine": machine_info(),
         "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
         "runs": runs,
     }
-    doc["targets"] = routing_report.check_targets(runs)
+    if getattr(args, "floor_grid", None):
+        doc["mocker_floor_grid"] = args.floor_grid
+        doc["setup"]["kvplane prefill_tokens_per_s (mocker)"] = args.mocker_prefill_tokens_per_s
+    _score(doc)
     print(routing_report.table(runs))
     for t in doc["targets"]:
         print(f"{'PASS' if t['pass'] else 'FAIL'}  {t['workload']}: {t['target']} = {t['value']}")
     if args.no_write:
         return doc
     out_dir, md = results_dir(args.out_dir)
-    suffix = "" if args.mode == "http" else "-des"
+    suffix = ("" if args.mode == "http" else "-des") + (f"-{args.tag}" if args.tag else "")
     stem = out_dir / f"routing{suffix}-{date}"
     json_path = stem.with_suffix(".json")
 
@@ -472,7 +686,7 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
                 == slice_of(r)
             ]
             doc["runs"] = kept + runs
-            doc["targets"] = routing_report.check_targets(doc["runs"])
+            _score(doc)
             doc["earlier_commands"] = [
                 *old.get("earlier_commands", []),
                 old.get("command", ""),
@@ -485,10 +699,22 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
         doc, bench_relative(json_path), [bench_relative(p) for p in plots]
     )
     heading = routing_report.SECTION + ("" if args.mode == "http" else " (discrete-event)")
+    heading += f": {args.tag}" if args.tag else ""
     section = section.replace(routing_report.SECTION, heading, 1)
     update_markdown(md, section, heading)
     print(f"wrote {json_path} and {md}")
     return doc
+
+
+def _score(doc: dict[str, Any]) -> None:
+    """Targets and goodput of the document's rows (recomputed as rows accumulate)."""
+    runs = doc["runs"]
+    slo = {r["workload"]: float(r["slo_ms"]) for r in runs if r.get("slo_ms")}
+    sweeps = [r for r in runs if r.get("sweep")]
+    doc["goodput"] = floor.goodput_table(sweeps, slo) if sweeps else []
+    doc["targets"] = routing_report.check_targets(runs) + routing_report.dynamo_targets(
+        runs, doc["goodput"]
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -78,23 +78,133 @@ def check_targets(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table(runs: Sequence[Mapping[str, Any]]) -> str:
+    """One line per row; with the ideal floor (``floor_p*_ms``) and the engines' prefill
+    compute (``prefill_tokens_computed``) where the rows carry them."""
+    extra = any("floor_p90_ms" in r for r in runs)
     head = (
-        "| workload | router | TTFT p50 / p90 / p99 ms | ITL p50 ms | req/s | errors "
-        "| hit | oracle | captured | imbalance | router CPU s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+        "| workload | router | load | TTFT p50 / p90 / p99 ms | ITL p50 ms | req/s | errors "
+        "| hit | oracle | captured | imbalance | router CPU s |"
+        + (" floor p50 / p90 / p99 ms | p90 / floor p90 | prefill Mtok |" if extra else "")
+        + "\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|---|---|" if extra else "")
+        + "\n"
     )
     rows = []
     for r in runs:
         oracle = r.get("oracle_hit_ratio") or 0.0
-        captured = r["hit_ratio"] / oracle if oracle else None
-        rows.append(
-            f"| {r['workload']} | {r['router']} | {fmt(r['ttft_p50_ms'], 0)} / "
+        captured = r["hit_ratio"] / oracle if oracle and r.get("hit_ratio") is not None else None
+        line = (
+            f"| {r['workload']} | {r['router']} | x{float(r.get('load_factor', 1.0)):g} | "
+            f"{fmt(r['ttft_p50_ms'], 0)} / "
             f"{fmt(r['ttft_p90_ms'], 0)} / {fmt(r['ttft_p99_ms'], 0)} | "
             f"{fmt(r['itl_p50_ms'], 1)} | {fmt(r['throughput_rps'], 2)} | {r['errors']} | "
             f"{fmt(r['hit_ratio'], 3)} | {fmt(r['oracle_hit_ratio'], 3)} | "
             f"{fmt(captured, 2)} | {fmt(r['imbalance'], 2)} | {fmt(r['router_cpu_s'], 1)} |"
         )
+        if extra:
+            f90 = r.get("floor_p90_ms")
+            p90 = r.get("ttft_p90_ms")
+            ratio = p90 / f90 if p90 is not None and f90 else None
+            prefill = r.get("prefill_tokens_computed")
+            line += (
+                f" {fmt(r.get('floor_p50_ms'), 0)} / {fmt(f90, 0)} / "
+                f"{fmt(r.get('floor_p99_ms'), 0)} | {fmt(ratio, 2)} | "
+                f"{fmt(None if prefill is None else prefill / 1e6, 3)} |"
+            )
+        rows.append(line)
     return head + "\n".join(rows) + "\n"
+
+
+# --------------------------------------------------------------------------- Dynamo
+
+
+def _is_dynamo(router: str) -> bool:
+    return router == "dynamo" or router.startswith("dynamo-")
+
+
+def dynamo_targets(
+    runs: Sequence[Mapping[str, Any]], goodput: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The targets against NVIDIA Dynamo's KV router (issue 20), per workload with a
+    kvplane row and Dynamo rows at the base load: goodput at the SLO >= 1.3 x Dynamo's
+    best setting; TTFT p90 <= 0.7 x Dynamo's best where that is over 1.5 x the floor's
+    p90, else within 1.1 x the floor; TTFT p99 and engine prefill compute no worse than
+    Dynamo's defaults' or best setting's."""
+    out: list[dict[str, Any]] = []
+    base = [r for r in runs if float(r.get("load_factor", 1.0)) == 1.0]
+    for wl in dict.fromkeys(r["workload"] for r in base):
+        ours = next((r for r in base if r["workload"] == wl and r["router"] == "kvplane"), None)
+        dyn = [
+            r
+            for r in base
+            if r["workload"] == wl
+            and _is_dynamo(str(r["router"]))
+            and not r.get("errors")
+            and r.get("ttft_p90_ms") is not None
+        ]
+        if ours is None or not dyn or ours.get("ttft_p90_ms") is None:
+            continue
+        best = min(dyn, key=lambda r: r["ttft_p90_ms"])
+        defaults = next((r for r in dyn if r["router"] in ("dynamo", "dynamo-frontend")), best)
+        ok = not ours.get("errors")
+
+        def add(target: str, value: float, passed: bool, wl: str = wl) -> None:
+            out.append({"workload": wl, "target": target, "value": round(value, 3), "pass": passed})
+
+        f90 = ours.get("floor_p90_ms")
+        if f90 and best["ttft_p90_ms"] > 1.5 * f90:
+            ratio = ours["ttft_p90_ms"] / best["ttft_p90_ms"]
+            add(f"TTFT p90 <= 0.7 x Dynamo's best ({best['router']})", ratio, ok and ratio <= 0.7)
+        elif f90:
+            ratio = ours["ttft_p90_ms"] / f90
+            add("TTFT p90 <= 1.1 x the floor's (Dynamo within 1.5 x)", ratio, ok and ratio <= 1.1)
+        for ref in dict.fromkeys((defaults["router"], best["router"])):
+            row = next(r for r in dyn if r["router"] == ref)
+            if ours.get("ttft_p99_ms") is not None and row.get("ttft_p99_ms"):
+                ratio = ours["ttft_p99_ms"] / row["ttft_p99_ms"]
+                add(f"TTFT p99 <= Dynamo's ({ref})", ratio, ok and ratio <= 1.0)
+            mine, theirs = ours.get("prefill_tokens_computed"), row.get("prefill_tokens_computed")
+            if mine is not None and theirs:
+                ratio = mine / theirs
+                add(f"engine prefill tokens <= Dynamo's ({ref})", ratio, ok and ratio <= 1.0)
+        gp = {g["router"]: g for g in goodput if g["workload"] == wl}
+        dyn_rows = [g for r, g in gp.items() if _is_dynamo(r)]
+        mine_gp = gp["kvplane"].get("goodput_rps") or 0.0 if "kvplane" in gp else None
+        dyn_gp = [g for g in dyn_rows if g.get("goodput_rps")]
+        if mine_gp is not None and dyn_gp:
+            top = max(dyn_gp, key=lambda g: g["goodput_rps"])
+            ratio = mine_gp / top["goodput_rps"]
+            add(f"goodput at the SLO >= 1.3 x Dynamo's best ({top['router']})", ratio, ratio >= 1.3)
+        elif mine_gp is not None and dyn_rows:  # Dynamo missed the SLO at every load
+            out.append(
+                {
+                    "workload": wl,
+                    "target": "goodput at the SLO >= 1.3 x Dynamo's best (Dynamo misses "
+                    "the SLO at every load measured)",
+                    "value": round(mine_gp, 3),
+                    "pass": mine_gp > 0,
+                }
+            )
+    return out
+
+
+def goodput_markdown(goodput: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not goodput:
+        return []
+    lines = [
+        "Goodput (highest offered load whose TTFT p90 stays within the SLO, interpolated "
+        "between the sweep's loads; ≥ where even the heaviest load stayed within it):",
+        "",
+        "| workload | router | SLO (TTFT p90) ms | loads | goodput req/s |",
+        "|---|---|---|---|---|",
+    ]
+    for g in goodput:
+        gp = g.get("goodput_rps")
+        cell = "–" if gp is None else ("≥ " if g.get("saturated") else "") + fmt(float(gp), 2)
+        lines.append(
+            f"| {g['workload']} | {g['router']} | {fmt(g['slo_ms'], 0)} | {g['loads']} | {cell} |"
+        )
+    return [*lines, ""]
 
 
 def slices(runs: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -128,6 +238,7 @@ def render_markdown(doc: Mapping[str, Any], json_path: str, plots: Sequence[str]
         *slices(doc["runs"]),
         table(doc["runs"]),
     ]
+    lines += goodput_markdown(doc.get("goodput") or [])
     targets = doc.get("targets") or []
     if targets:
         lines += ["Targets:", "", "| workload | target | value | result |", "|---|---|---|---|"]
@@ -216,6 +327,9 @@ def plot(doc: Mapping[str, Any], workloads: Sequence[str], stem: Path) -> list[P
                 if r["router"] == router and r["ttft_p90_ms"] is not None
             )
             ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=router)
+        slo = next((r.get("slo_ms") for r in sweep if r.get("slo_ms")), None)
+        if slo:
+            ax.axhline(slo, color="k", linestyle="--", label="SLO (10 x floor p90)")
         ax.set_yscale("log")
         ax.set_xlabel("offered load (req/s, simulated)")
         ax.set_ylabel("TTFT p90 (ms)")

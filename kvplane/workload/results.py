@@ -12,9 +12,12 @@ simulator so that both report the same numbers the same way.
 
 from __future__ import annotations
 
+import json
+import lzma
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Final, overload
 
 from kvplane.router.blockkeys import chain_keys
@@ -36,6 +39,7 @@ class RequestResult:
     arrival_s: float = 0.0
     error: str | None = None
     output_tokens: int | None = None
+    overhead_s: float = 0.0  # a peer proxy's own work, taken out of ttft_s (benchmarks)
 
 
 def mean_itl(t_first: float, t_last: float, n_tokens: int) -> float | None:
@@ -214,8 +218,9 @@ def _cached(match: int, n: int, block_size: int) -> int:
     return min(match, n - 1) // block_size * block_size
 
 
-def _oracle_segments(requests: Iterable[TraceRequest], block_size: int) -> float:
-    """The oracle over segment ids, streamed: no prompt is materialised.
+def oracle_cached(requests: Iterable[TraceRequest], block_size: int) -> Iterator[int]:
+    """Per request (in the order given), the tokens one infinite cache shared by everyone
+    would serve it: the oracle's reuse, computed over segment ids and streamed.
 
     Equal leading segment ids mean equal tokens, so the longest prefix a prompt
     shares with any earlier one is found by walking its chain of segment-prefix
@@ -224,10 +229,8 @@ def _oracle_segments(requests: Iterable[TraceRequest], block_size: int) -> float
     """
     reach: dict[int, int] = {}  # segment-prefix hash -> furthest prompt position seen
     seen_any = False
-    cached = total = 0
     for r in requests:
         n, size = r.input_length, r.segment_tokens
-        total += n
         match = 1 if seen_any else 0  # BOS
         matching = True
         h = 0
@@ -247,7 +250,13 @@ def _oracle_segments(requests: Iterable[TraceRequest], block_size: int) -> float
             if end > prev:
                 reach[h] = end
         seen_any = True
-        cached += _cached(match, n, block_size)
+        yield _cached(match, n, block_size)
+
+
+def _oracle_segments(requests: Sequence[TraceRequest], block_size: int) -> float:
+    """The oracle hit ratio over segment ids: no prompt is materialised."""
+    total = sum(r.input_length for r in requests)
+    cached = sum(oracle_cached(requests, block_size))
     return cached / total if total else 0.0
 
 
@@ -314,6 +323,24 @@ def segment_hit_ratio(workload: Workload) -> float:
         total += r.input_length
         seen.update(r.segments)
     return cached / total if total else 0.0
+
+
+# --------------------------------------------------------------------------- files
+
+
+def save_results(path: Path, results: Sequence[RequestResult]) -> None:
+    """Per-request results as xz-compressed JSON lines (for analyses after a run)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with lzma.open(tmp, "wt", encoding="utf-8") as fh:
+        for r in results:
+            fh.write(json.dumps(asdict(r), separators=(",", ":")) + "\n")
+    tmp.replace(path)
+
+
+def load_results(path: Path) -> list[RequestResult]:
+    with lzma.open(path, "rt", encoding="utf-8") as fh:
+        return [RequestResult(**json.loads(line)) for line in fh if line.strip()]
 
 
 # --------------------------------------------------------------------------- rendering

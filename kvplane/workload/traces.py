@@ -32,7 +32,7 @@ import random
 import re
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import reduce
 from pathlib import Path
@@ -545,16 +545,21 @@ def build_workload(
     start: int,
     rate_scale: float,
     seed: int = 0,
+    shape: Mapping[str, Any] | None = None,
 ) -> Workload:
     """A workload by name; ``seed`` draws the generated shared-prefix order and arrivals
-    (the other builders are fixed)."""
+    (the other builders are fixed); ``shape`` passes keyword arguments to a synthetic
+    workload's builder (its size: e.g. ``documents``, ``users``, ``rounds``)."""
     if name == "mooncake":
+        if shape:
+            raise ValueError("the Mooncake trace has no shape parameters")
         return mooncake(trace, limit=limit, start=start, rate_scale=rate_scale)
+    kw = dict(shape or {})
     builders: dict[str, Callable[[], Workload]] = {
-        "gsp": lambda: generated_shared_prefix(seed=seed),
-        "multi-round-qa": multi_round_qa,
-        "long-doc-qa": long_doc_qa,
-        "no-reuse": no_reuse,
+        "gsp": lambda: generated_shared_prefix(seed=seed, **kw),
+        "multi-round-qa": lambda: multi_round_qa(**kw),
+        "long-doc-qa": lambda: long_doc_qa(**kw),
+        "no-reuse": lambda: no_reuse(**kw),
     }
     if name not in builders:
         raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOAD_NAMES)})")

@@ -46,6 +46,7 @@ class Role(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
     ROUTER = "router"
+    PICKER = "picker"  # the Gateway API endpoint picker (kvplane epp)
     INDEXER = "indexer"
     REDIS = "redis"
     MOONCAKE = "mooncake"
@@ -108,6 +109,10 @@ def engine_name(pool: str, role: Role, engine_pool: str) -> str:
 
 def router_name(pool: str) -> str:
     return fit(f"{pool}-router")
+
+
+def picker_name(pool: str) -> str:
+    return fit(f"{pool}-epp")
 
 
 def indexer_name(pool: str) -> str:

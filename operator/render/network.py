@@ -7,6 +7,9 @@ router may reach those ports, only the router the engines' HTTP API (the
 port (the router asks a Mooncake prefill pod for its engine ids), and the pool's
 engines reach each other on any port (NIXL over UCX and Mooncake open transfer ports
 of their own). The managed Redis takes connections from the pool's router and indexer only.
+With ``spec.gateway`` the endpoint picker counts as a router (it ingests KV events,
+scrapes and reads the index), and the engines' HTTP port admits any peer: the
+Gateway's data plane (Envoy) sends them the requests, and kvplane does not know its pods.
 Traffic from a pod's own node (kubelet probes) is always allowed by NetworkPolicy.
 """
 
@@ -55,10 +58,14 @@ def network_policies(
     policy = ipool.network_policy
     if not policy.enabled:
         return []
-    router = {"podSelector": pods(ipool_name, [Role.ROUTER])}
-    readers = {"podSelector": pods(ipool_name, [Role.ROUTER, Role.INDEXER])}
+    routers = [Role.ROUTER, Role.PICKER] if ipool.gateway is not None else [Role.ROUTER]
+    router = {"podSelector": pods(ipool_name, routers)}
+    readers = {"podSelector": pods(ipool_name, [*routers, Role.INDEXER])}
     engines = {"podSelector": pods(ipool_name, list(names.ENGINE_ROLES))}
     http = [router, *(dict(p) for p in policy.metrics_from)]
+    http_rule: Json = {"from": http, "ports": _ports(names.ENGINE_HTTP_PORT)}
+    if ipool.gateway is not None:  # the Gateway's Envoy pods, whichever they are
+        http_rule = {"ports": _ports(names.ENGINE_HTTP_PORT)}
     bootstrap = [{"from": [router], "ports": _ports(transfer.bootstrap_port)}] if transfer else []
     out = [
         _policy(
@@ -68,7 +75,7 @@ def network_policies(
             pods(ipool_name, list(names.ENGINE_ROLES)),
             [
                 {"from": [readers], "ports": _ports(names.KV_EVENTS_PORT, names.KV_REPLAY_PORT)},
-                {"from": http, "ports": _ports(names.ENGINE_HTTP_PORT)},
+                http_rule,
                 *bootstrap,
                 {"from": [engines]},
             ],

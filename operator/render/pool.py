@@ -16,6 +16,7 @@ from kvplane.operator.render.engine import (
     engine_deployment,
     pd_transfer,
 )
+from kvplane.operator.render.gateway import gateway_objects
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.network import network_policies
 from kvplane.operator.render.router import indexer_objects, router_objects
@@ -79,4 +80,5 @@ def inference_pool_objects(
             transfer=transfer,
             discovery_role=discovery_role,
         )
+    objects += gateway_objects(ipool_name, namespace, ipool, generation, default_image)
     return [harden(o) for o in objects]

@@ -223,13 +223,9 @@ class PDService:
     ) -> Response:
         routed = await self.route(req)
         d = routed.decision
-        m = self.metrics
-        m.prompt_tokens.labels(**m.labels).inc(len(routed.tokens))
-        self.pool.observe_prompt(len(routed.tokens))
-        # Where the prefill runs, for balancing and for the decode choice's exposure term.
-        uncached = len(routed.tokens) - d.chosen.prefill_terms.cached_tokens
-        self.pool.note_routed(d.prefill or d.decode, uncached)
+        self.admit(routed)
         body = dict(req.body)
+        m = self.metrics
         m.added.labels(**m.labels).observe(time.perf_counter() - received)
         if not d.disaggregated:
             return await self._aggregated(routed, body, path, headers, request_id, d.reason, 0)
@@ -242,6 +238,16 @@ class PDService:
             return await self._concurrent(routed, body, path, headers, request_id)
         finally:
             routed.booking.release()
+
+    def admit(self, routed: PDRouted) -> None:
+        """A routed request is taken: its prompt is counted, and the prefill work goes
+        where it will run, for balancing and for the decode choice's exposure term."""
+        d = routed.decision
+        m = self.metrics
+        m.prompt_tokens.labels(**m.labels).inc(len(routed.tokens))
+        self.pool.observe_prompt(len(routed.tokens))
+        uncached = len(routed.tokens) - d.chosen.prefill_terms.cached_tokens
+        self.pool.note_routed(d.prefill or d.decode, uncached)
 
     def _count_leg(self, leg: str, outcome: str) -> None:
         m = self.metrics
@@ -313,24 +319,10 @@ class PDService:
         request_id: str,
     ) -> Response:
         d = routed.decision
-        prefill_body = json.dumps(protocols.nixl_prefill_body(body)).encode()
-        params: dict[str, Any] | None = None
-        prefill_pod: str | None = None
-        order = d.prefill_ranked[: self.pd.max_prefill_attempts]
-        tries = 0
-        for pod in order:
-            tries += 1
-            try:
-                answer = await self._prefill(pod, path, prefill_body, headers, routed)
-            except LegFailed as exc:
-                log.warning("prefill leg failed: %s", exc)
-                self._count_leg("prefill", "retried" if tries < len(order) else "fallback")
-                continue
-            except ClientError as exc:
-                return self._client_error(exc, request_id)
-            prefill_pod = pod
-            params = protocols.kv_transfer_params(answer)
-            break
+        try:
+            prefill_pod, params, tries = await self.nixl_prefill(routed, body, path, headers)
+        except ClientError as exc:
+            return self._client_error(exc, request_id)
         if prefill_pod is None:
             return await self._aggregated(
                 routed, body, path, headers, request_id, PDReason.PREFILL_FAILED, tries
@@ -354,6 +346,26 @@ class PDService:
             prefill_pod,
             tries,
         )
+
+    async def nixl_prefill(
+        self, routed: PDRouted, body: dict[str, Any], path: str, headers: dict[str, str]
+    ) -> tuple[str | None, dict[str, Any] | None, int]:
+        """NIXL's prefill leg down the decision's prefill ranking: (the pod that
+        prefilled or None, its ``kv_transfer_params`` or None, pods tried). Raises
+        ClientError when a prefill pod refuses the request itself."""
+        prefill_body = json.dumps(protocols.nixl_prefill_body(body)).encode()
+        order = routed.decision.prefill_ranked[: self.pd.max_prefill_attempts]
+        tries = 0
+        for pod in order:
+            tries += 1
+            try:
+                answer = await self._prefill(pod, path, prefill_body, headers, routed)
+            except LegFailed as exc:
+                log.warning("prefill leg failed: %s", exc)
+                self._count_leg("prefill", "retried" if tries < len(order) else "fallback")
+                continue
+            return pod, protocols.kv_transfer_params(answer), tries
+        return None, None, tries
 
     async def _concurrent(
         self,
@@ -625,6 +637,17 @@ class PDService:
         m.chose(terms, routed.max_tokens, option.ttft_ms if option is not None else None)
         return option
 
+    def answered(
+        self, routed: PDRouted, served: Served, request_id: str
+    ) -> tuple[dict[str, str], OptionCost | None]:
+        """A decode pod answered: the outcome is recorded, the decode pod is marked as
+        holding the prompt (a prefill pod was marked when its leg returned), and the
+        response's headers say how it was served; also the option that was served,
+        if the decision costed it."""
+        option = self._record(routed, served)
+        self._mark_tentative(served.decode, routed)
+        return self._headers(routed, served, request_id), option
+
     async def _respond(
         self,
         routed: PDRouted,
@@ -633,16 +656,15 @@ class PDService:
         request_id: str,
         served: Served,
     ) -> Response:
-        option = self._record(routed, served)
         m = self.metrics
         resp, attempt = opened.response, opened.attempt
         m.backend_ttft.labels(**m.labels, pod=opened.pod).observe(
             time.perf_counter() - attempt.started
         )
-        self._mark_tentative(opened.pod, routed)
+        answer_headers, option = self.answered(routed, served, request_id)
         headers = {
             **{k: v for k, v in resp.headers.items() if k.lower() in _PASS_BACK},
-            **self._headers(routed, served, request_id),
+            **answer_headers,
         }
         predicted = option.prefill_terms.cached_tokens if option is not None else None
         aggregated = served.prefill is None

@@ -6,7 +6,7 @@ import contextlib
 import functools
 import shutil
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import httpx
@@ -54,10 +54,11 @@ class RunningRouter:
 
 @contextlib.contextmanager
 def serve_router(
-    config: RouterConfig, embedded_indexer: bool | None = None
+    config: RouterConfig | Sequence[RouterConfig], embedded_indexer: bool | None = None
 ) -> Iterator[RunningRouter]:
     app = create_app(config, embedded_indexer=embedded_indexer)
-    with serve_in_thread(app, config=functools.partial(RouterServerConfig, router=config)) as port:
+    first = config if isinstance(config, RouterConfig) else config[0]  # its server limits
+    with serve_in_thread(app, config=functools.partial(RouterServerConfig, router=first)) as port:
         yield RunningRouter(app, port)
 
 

@@ -100,6 +100,10 @@ app.kubernetes.io/part-of: kvplane
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
   verbs: [list, watch, create, patch, delete]
+# GIE's InferencePool, for a pool served through the Gateway API (spec.gateway)
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [list, watch, create, patch, delete]
 # Each router and indexer gets a RoleBinding to the discovery ClusterRole, the one role
 # the operator may bind: it writes no Role, and cannot grant anything else it holds.
 - apiGroups: [rbac.authorization.k8s.io]

@@ -1,0 +1,297 @@
+"""A fleet of Dynamo's own simulated engines (``python -m dynamo.mocker``) for
+``kvplane bench routing --fleet dynamo-mocker``.
+
+The mocker is Dynamo's vLLM-scheduler simulator with its own timing model (AISimulate's
+built-in polynomials); kvplane's results on it do not rest on kvplane's simulator. Every
+mocker is its own process and publishes vLLM-format ZMQ KV events (with a replay
+socket). Two layouts of the same mockers, one per side:
+
+- for kvplane (``pooled=False``): each mocker in its own Dynamo namespace with a
+  ``dynamo.frontend --namespace <ns>`` (round-robin over that one worker), which gives
+  every engine an OpenAI endpoint of its own for kvplane to route to; kvplane's indexer
+  reads the mockers' ZMQ events;
+- for Dynamo (``pooled=True``): every mocker in one namespace, one worker set, behind the
+  real ``dynamo.frontend --router-mode kv --namespace <ns>`` (its Rust tokenizer
+  included). A frontend treats each namespace as a separate worker set with its own KV
+  router, so mockers in separate namespaces would not be one KV-routed pool. The
+  frontend names the worker it chose when asked (``nvext.extra_fields: ["worker_id"]``).
+
+Discovery is a file store private to the run (``DYN_FILE_KV``), with ZMQ event and TCP
+request planes: no etcd, no NATS.
+
+The mockers' clocks run ``time_scale`` times slower than their modeled GPU
+(``--speedup-ratio 1/time_scale``), as kvplane's simulator does, so that a 2-core
+machine keeps up. Their KV capacity, block size and scheduler budget are the ones the
+benchmark's engine profile gives kvplane's simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from kvplane.bench.floor import GridModel
+from kvplane.bench.peers.dynamo import (
+    FRONTEND_PREFIX,
+    DynamoSetting,
+    RunningPeer,
+    _http,
+    dynamo_env,
+    ensure_dynamo,
+)
+from kvplane.bench.procs import HOST, Proc, spawn
+from kvplane.bench.routers import EngineEndpoint
+from kvplane.local.ports import free_ports
+
+# Llama-3.1-8B's public config (the mocker reads the architecture; the vocabulary is the
+# tokenizer's, so that generated ids decode)
+LLAMA_8B_CONFIG: Final[dict[str, Any]] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "torch_dtype": "bfloat16",
+}
+TOKENIZER_FILES: Final = ("tokenizer.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True, slots=True)
+class MockerSpec:
+    """What every mocker of the fleet is told (the benchmark's engine profile)."""
+
+    model: str
+    tokenizer: Path
+    block_size: int
+    kv_blocks: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    time_scale: float
+    host_blocks: int = 0  # a CPU tier (Dynamo's native host offload), 0 for none
+    host_gbps: float = 50.0
+
+
+def model_dir(spec: MockerSpec, dest: Path) -> Path:
+    """A model directory the mocker and the frontend accept: the benchmark's tokenizer,
+    a chat template (the frontend requires one) and Llama-3.1-8B's config."""
+    from kvplane.local.tiny_model import CHAT_TEMPLATE
+
+    dest.mkdir(parents=True, exist_ok=True)
+    tok_cfg = json.loads((spec.tokenizer / "tokenizer_config.json").read_text())
+    tok_cfg.setdefault("chat_template", CHAT_TEMPLATE)
+    (dest / "tokenizer_config.json").write_text(json.dumps(tok_cfg))
+    (dest / "tokenizer.json").write_bytes((spec.tokenizer / "tokenizer.json").read_bytes())
+    tok = json.loads((dest / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"]) + len(tok.get("added_tokens", []))
+    (dest / "config.json").write_text(json.dumps({**LLAMA_8B_CONFIG, "vocab_size": vocab}))
+    return dest
+
+
+def mocker_argv(
+    spec: MockerSpec, model_path: Path, namespace: str, kv: int, replay: int
+) -> list[str]:
+    argv = [str(ensure_dynamo()), "-m", "dynamo.mocker", "--model-path", str(model_path)]
+    argv += ["--model-name", spec.model, "--endpoint", f"dyn://{namespace}.backend.generate"]
+    argv += ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+    argv += ["--block-size", str(spec.block_size)]
+    argv += ["--num-gpu-blocks-override", str(spec.kv_blocks)]
+    argv += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    argv += ["--max-model-len", str(spec.max_model_len)]
+    argv += ["--kv-bytes-per-token", str(spec.kv_bytes_per_token)]
+    argv += ["--speedup-ratio", f"{1.0 / spec.time_scale:g}"]
+    argv += ["--zmq-kv-events-ports", str(kv), "--zmq-replay-ports", str(replay)]
+    if spec.host_blocks:
+        argv += ["--num-host-blocks", str(spec.host_blocks)]
+        argv += ["--host-offload-h2d-bandwidth-gbps", f"{spec.host_gbps:g}"]
+        argv += ["--host-offload-d2h-bandwidth-gbps", f"{spec.host_gbps:g}"]
+    return argv
+
+
+def frontend_argv(port: int, namespace: str | None, router_mode: str) -> list[str]:
+    argv = [str(ensure_dynamo()), "-m", "dynamo.frontend", "--router-mode", router_mode]
+    argv += ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+    argv += ["--http-host", HOST, "--http-port", str(port)]
+    if namespace is not None:
+        argv += ["--namespace", namespace]
+    return argv
+
+
+def generate_instances(port: int) -> dict[str, int]:
+    """Namespace -> instance id of every ``generate`` endpoint a frontend sees."""
+    status, body = _http("GET", f"http://{HOST}:{port}/health")
+    if status != 200:
+        return {}
+    out: dict[str, int] = {}
+    for inst in json.loads(body).get("instances", []):
+        if inst.get("endpoint") == "generate":
+            out[str(inst["namespace"])] = int(inst["instance_id"])
+    return out
+
+
+def pooled_instances(port: int) -> list[int]:
+    """Instance ids of every ``generate`` endpoint a frontend sees."""
+    status, body = _http("GET", f"http://{HOST}:{port}/health")
+    if status != 200:
+        return []
+    insts = json.loads(body).get("instances", [])
+    return [int(i["instance_id"]) for i in insts if i.get("endpoint") == "generate"]
+
+
+def _models_ready(port: int, model: str) -> bool:
+    status, body = _http("GET", f"http://{HOST}:{port}/v1/models")
+    return status == 200 and model.encode() in body
+
+
+@dataclass
+class MockerFleet:
+    """N mockers, each behind its own frontend; ``engines`` as kvplane routes to them."""
+
+    spec: MockerSpec
+    rundir: Path
+    names: list[str]
+    namespaces: list[str]
+    urls: list[str]
+    kv_events: list[str]
+    replays: list[str]
+    pooled: bool = False  # every mocker in namespaces[0], for Dynamo's frontend
+    procs: list[Proc] = field(default_factory=list)
+    worker_names: dict[int, str] = field(default_factory=dict)  # Dynamo instance id -> name
+
+    @property
+    def endpoints(self) -> list[EngineEndpoint]:
+        """Each mocker as kvplane's router is told of it: its frontend and its events."""
+        return [
+            EngineEndpoint(n, u, k, r)
+            for n, u, k, r in zip(self.names, self.urls, self.kv_events, self.replays, strict=True)
+        ]
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {"DYN_FILE_KV": str(self.rundir / "dynamo-discovery")}
+
+    def stop(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+    def tail(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.tail()}" for p in self.procs if not p.alive())
+
+    def start_frontend(self, router: str, timeout: float = 120.0) -> RunningPeer:
+        """The real ``dynamo.frontend --router-mode kv`` over the pooled mockers, with
+        ``router``'s settings; ready once it sees every mocker. Names the mockers by
+        their Dynamo instance ids, in order."""
+        if not self.pooled:
+            raise ValueError("Dynamo's frontend needs the pooled layout")
+        setting = DynamoSetting.parse(router, FRONTEND_PREFIX)
+        (port,) = free_ports(1)
+        env = dynamo_env({**self.env, **setting.env(self.spec.time_scale)})
+        argv = frontend_argv(port, self.namespaces[0], "kv")
+        proc = spawn(router, argv, self.rundir, env)
+        deadline = time.monotonic() + timeout
+        while len(ids := pooled_instances(port)) < len(self.names) or not _models_ready(
+            port, self.spec.model
+        ):
+            if not proc.alive() or time.monotonic() > deadline:
+                proc.stop()
+                raise RuntimeError(f"dynamo.frontend (kv) did not see the fleet:\n{proc.tail()}")
+            time.sleep(0.5)
+        self.worker_names = {wid: self.names[i] for i, wid in enumerate(sorted(ids))}
+        return RunningPeer(router, port, [proc], {"dynamo settings": setting.describe()})
+
+
+def start_fleet(
+    spec: MockerSpec, engines: int, rundir: Path, *, pooled: bool, timeout: float = 180.0
+) -> MockerFleet:
+    """Start ``engines`` mockers: with a frontend each (``pooled=False``), waiting until
+    every frontend serves its mocker; or in one namespace for Dynamo's frontend."""
+    mdir = model_dir(spec, rundir / "dynamo-model")
+    ports = free_ports(3 * engines)
+    run = f"kvp{time.monotonic_ns() % 10**8}"
+    fleet = MockerFleet(
+        spec=spec,
+        rundir=rundir,
+        names=[f"m{i}" for i in range(engines)],
+        namespaces=[f"{run}-pool" if pooled else f"{run}-m{i}" for i in range(engines)],
+        urls=[f"http://{HOST}:{ports[3 * i]}" for i in range(engines)],
+        kv_events=[f"tcp://{HOST}:{ports[3 * i + 1]}" for i in range(engines)],
+        replays=[f"tcp://{HOST}:{ports[3 * i + 2]}" for i in range(engines)],
+        pooled=pooled,
+    )
+    env = dynamo_env(fleet.env)
+    try:
+        for i, ns in enumerate(fleet.namespaces):
+            argv = mocker_argv(spec, mdir, ns, ports[3 * i + 1], ports[3 * i + 2])
+            fleet.procs.append(spawn(f"mocker-{i}", argv, rundir, env))
+        if pooled:
+            return fleet
+        for i, ns in enumerate(fleet.namespaces):
+            argv = frontend_argv(ports[3 * i], ns, "round-robin")
+            fleet.procs.append(spawn(f"frontend-{i}", argv, rundir, env))
+        deadline = time.monotonic() + timeout
+        for i, ns in enumerate(fleet.namespaces):
+            port = ports[3 * i]
+            while not (_models_ready(port, spec.model) and ns in generate_instances(port)):
+                dead = [p for p in fleet.procs if not p.alive()]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"the mocker fleet did not start:\n{fleet.tail()}")
+                time.sleep(0.5)
+    except BaseException:
+        fleet.stop()
+        raise
+    return fleet
+
+
+WORKER_ID_BODY: Final[dict[str, Any]] = {"nvext": {"extra_fields": ["worker_id"]}}
+
+
+# --------------------------------------------------------------------------- floor
+
+CALIBRATION_NEW: Final = (64, 1024, 4096, 8192, 16384, 32768)
+CALIBRATION_CACHED: Final = (0, 8192, 32768)
+
+
+def _ttft_ms(client: httpx.Client, url: str, model: str, prompt: str, time_scale: float) -> float:
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "stream": True}
+    t0 = time.perf_counter()
+    with client.stream("POST", url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and '"text":"' in line and '"text":""' not in line:
+                return (time.perf_counter() - t0) * 1000.0 / time_scale
+    raise RuntimeError("calibration: no token received")
+
+
+def calibrate(spec: MockerSpec, rundir: Path, text: Callable[[int, int], str]) -> GridModel:
+    """The mocker's idle-engine TTFT on a grid of (new, cached) tokens, measured on one
+    fresh mocker at the benchmark's time scale: the floor's timing model for the mocker
+    fleet. ``text(seed, n)`` is a prompt of exactly ``n`` tokens (BOS included) whose
+    first ``m`` tokens are those of ``text(seed, m)``."""
+    fleet = start_fleet(spec, 1, rundir / "calibration", pooled=False)
+    url = fleet.urls[0]
+    rows: list[list[float]] = [[0.0] * len(CALIBRATION_CACHED) for _ in CALIBRATION_NEW]
+    try:
+        with httpx.Client(timeout=600.0) as client:
+            seed = 0
+            for j, cached in enumerate(CALIBRATION_CACHED):
+                for i, new in enumerate(CALIBRATION_NEW):
+                    seed += 1
+                    if cached:  # cache the prefix first (whole blocks)
+                        _ttft_ms(client, url, spec.model, text(seed, cached + 1), spec.time_scale)
+                    prompt = text(seed, cached + new)
+                    rows[i][j] = round(
+                        _ttft_ms(client, url, spec.model, prompt, spec.time_scale), 3
+                    )
+    finally:
+        fleet.stop()
+    return GridModel(CALIBRATION_NEW, CALIBRATION_CACHED, tuple(tuple(r) for r in rows))

@@ -1,0 +1,232 @@
+"""Which requests make a run's TTFT tail, and why: ``kvplane bench tail``.
+
+For every request at or above a TTFT percentile (p99 by default) of one run's
+per-request results (``kvplane bench routing --save-requests``), set beside the same
+request's ideal floor (:mod:`kvplane.bench.floor`):
+
+- its own prefill on the pod that served it, from the fleet's timing model at the
+  prefix it really reused (``own``), and the rest of its TTFT (``wait``: queued behind
+  other prompts' prefill, or sharing steps with them);
+- the reuse it missed: what the oracle (one infinite shared cache) would have served
+  it, against what the engine reported cached;
+- the prefill work pending on its pod when it arrived, and the least pending on any pod
+  (reconstructed from the run: a request's uncached tokens are pending from its arrival
+  to its first token).
+
+Each tail request gets one cause, the first that holds:
+
+- ``long prompt``: its own prefill is at least 80% of its TTFT and it missed no reuse:
+  only a faster prefill (more GPUs per prompt, or prefill/decode disaggregation taking
+  the prompt off a decode pod) would help; no routing can;
+- ``missed reuse``: recomputing what it missed is at least half of its gap to the floor:
+  the pod holding the prefix, or a shared tier holding what was evicted, would help;
+- ``queued``: it waited at least half of its TTFT: another pod (if one had less pending
+  prefill work) or a scheduler that lets short prompts past a long one would help;
+- ``mixed`` otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvplane.bench.floor import Floor, PrefillModel
+from kvplane.workload.results import RequestResult, load_results, percentile
+from kvplane.workload.traces import Workload
+
+LONG_SHARE = 0.8
+MISSED_SHARE = 0.5
+QUEUED_SHARE = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class TailRequest:
+    arrival_s: float
+    ttft_ms: float
+    prompt: int
+    cached: int
+    oracle_cached: int
+    floor_ms: float
+    own_ms: float  # its prefill at the prefix it reused, on an idle pod
+    backend: str | None
+    pending_tokens: int  # uncached prompt tokens pending on its pod when it arrived
+    least_pending_tokens: int  # the least pending on any pod then
+    cause: str
+
+    @property
+    def wait_ms(self) -> float:
+        return max(0.0, self.ttft_ms - self.own_ms)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "arrival_s": round(self.arrival_s, 3),
+            "ttft_ms": round(self.ttft_ms, 1),
+            "prompt": self.prompt,
+            "cached": self.cached,
+            "oracle_cached": self.oracle_cached,
+            "floor_ms": round(self.floor_ms, 1),
+            "own_ms": round(self.own_ms, 1),
+            "wait_ms": round(self.wait_ms, 1),
+            "backend": self.backend,
+            "pending_tokens": self.pending_tokens,
+            "least_pending_tokens": self.least_pending_tokens,
+            "cause": self.cause,
+        }
+
+
+class PendingWork:
+    """Uncached prompt tokens pending on each pod over time (arrival to first token)."""
+
+    def __init__(self, results: Sequence[RequestResult]) -> None:
+        self._by_pod: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
+        for r in results:
+            if r.ok and r.backend is not None and r.ttft_s is not None:
+                work = r.prompt_tokens - (r.cached_tokens or 0)
+                self._by_pod[r.backend].append((r.arrival_s, r.arrival_s + r.ttft_s, work))
+        for rows in self._by_pod.values():
+            rows.sort()
+        self._starts = {p: [s for s, _, _ in rows] for p, rows in self._by_pod.items()}
+
+    def at(self, pod: str, t: float, exclude_start: float | None = None) -> int:
+        rows = self._by_pod.get(pod, [])
+        hi = bisect.bisect_left(self._starts.get(pod, []), t)
+        return sum(w for s, e, w in rows[:hi] if e > t and s != exclude_start)
+
+    def least(self, t: float) -> int:
+        return min((self.at(p, t) for p in self._by_pod), default=0)
+
+
+def classify(ttft_ms: float, own_ms: float, floor_ms: float, missed_ms: float, missed: int) -> str:
+    if own_ms >= LONG_SHARE * ttft_ms and missed <= 0:
+        return "long prompt"
+    if missed > 0 and missed_ms >= MISSED_SHARE * max(ttft_ms - floor_ms, 1e-9):
+        return "missed reuse"
+    if ttft_ms - own_ms >= QUEUED_SHARE * ttft_ms:
+        return "queued"
+    return "mixed"
+
+
+def tail(
+    results: Sequence[RequestResult],
+    workload: Workload,
+    fl: Floor,
+    model: PrefillModel,
+    block_size: int,
+    q: float = 99.0,
+) -> list[TailRequest]:
+    """The requests at or above the ``q`` percentile of TTFT, slowest first."""
+    ok = sorted((r for r in results if r.ok and r.ttft_s is not None), key=lambda r: r.arrival_s)
+    if not ok:
+        return []
+    reqs = sorted(workload.requests, key=lambda r: r.arrival_s)
+    if len(reqs) != len(results):
+        raise ValueError("results and workload do not match (different request counts)")
+    index = {round(r.arrival_s, 6): i for i, r in enumerate(reqs)}
+    cut = percentile([r.ttft_s or 0.0 for r in ok], q)
+    pending = PendingWork(ok)
+    out: list[TailRequest] = []
+    for r in ok:
+        ttft = r.ttft_s or 0.0
+        if ttft < cut:
+            continue
+        i = index[round(r.arrival_s, 6)]
+        cached = r.cached_tokens or 0
+        oracle = fl.cached[i]
+        own = model(r.prompt_tokens - cached, cached)
+        missed = max(0, oracle - cached)
+        missed_ms = own - fl.ttft_ms[i] if missed >= block_size else 0.0
+        ttft_ms = ttft * 1000.0
+        out.append(
+            TailRequest(
+                arrival_s=r.arrival_s,
+                ttft_ms=ttft_ms,
+                prompt=r.prompt_tokens,
+                cached=cached,
+                oracle_cached=oracle,
+                floor_ms=fl.ttft_ms[i],
+                own_ms=own,
+                backend=r.backend,
+                pending_tokens=pending.at(r.backend, r.arrival_s, r.arrival_s) if r.backend else 0,
+                least_pending_tokens=pending.least(r.arrival_s),
+                cause=classify(
+                    ttft_ms, own, fl.ttft_ms[i], missed_ms, missed if missed >= block_size else 0
+                ),
+            )
+        )
+    return sorted(out, key=lambda t: -t.ttft_ms)
+
+
+def summary(rows: Sequence[TailRequest]) -> dict[str, Any]:
+    causes = Counter(r.cause for r in rows)
+    return {
+        "requests": len(rows),
+        "causes": dict(causes.most_common()),
+        "ttft_ms_from": round(min((r.ttft_ms for r in rows), default=0.0), 1),
+        "own_share": round(
+            sum(r.own_ms for r in rows) / max(sum(r.ttft_ms for r in rows), 1e-9), 3
+        ),
+    }
+
+
+def markdown(rows: Sequence[TailRequest], title: str) -> str:
+    s = summary(rows)
+    lines = [
+        f"{title}: {s['requests']} requests from {s['ttft_ms_from']:.0f} ms; causes "
+        + ", ".join(f"{k} {v}" for k, v in s["causes"].items())
+        + f"; their own prefill is {100 * s['own_share']:.0f}% of their TTFT.",
+        "",
+        "| TTFT ms | prompt | cached | oracle cached | floor ms | own prefill ms | wait ms "
+        "| pod | pending on pod (tok) | least pending (tok) | cause |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.ttft_ms:.0f} | {r.prompt} | {r.cached} | {r.oracle_cached} | "
+            f"{r.floor_ms:.0f} | {r.own_ms:.0f} | {r.wait_ms:.0f} | {r.backend} | "
+            f"{r.pending_tokens} | {r.least_pending_tokens} | {r.cause} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- command
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("results", nargs="+", help="per-request results (--save-requests files)")
+    p.add_argument("--workload", default="mooncake")
+    p.add_argument("--limit", type=int, default=1000)
+    p.add_argument("--rate-scale", type=float, default=2.5)
+    p.add_argument("--profile", default="h100-llama-3.1-8b")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--percentile", type=float, default=99.0)
+
+
+def run(args: argparse.Namespace) -> None:
+    from kvplane.bench.floor import floor_of, sim_model
+    from kvplane.sim.des import profile_for
+    from kvplane.workload.traces import build_workload
+
+    wl = build_workload(
+        args.workload, trace=None, limit=args.limit, start=0, rate_scale=args.rate_scale
+    )
+    model = sim_model(profile_for(args.profile, args.block_size))
+    fl = floor_of(wl, args.block_size, model)
+    for path in args.results:
+        rows = tail(load_results(Path(path)), wl, fl, model, args.block_size, args.percentile)
+        print(markdown(rows, Path(path).name))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from kvplane.bench.procs import bench_main
+
+    return bench_main("kvplane bench tail", __doc__, add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
