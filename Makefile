@@ -31,6 +31,7 @@ setup-tools:
 	@bash scripts/setup-dashboard-schema.sh >/dev/null
 	@bash scripts/setup-prometheus-adapter.sh >/dev/null
 	@bash scripts/setup-jaeger.sh >/dev/null
+	@bash scripts/setup-mooncake.sh >/dev/null
 
 image: setup-tools
 	@bash scripts/build-image.sh

@@ -477,6 +477,20 @@ class KVCacheTierSpec(Model):
             "(self.backend in ['mooncake', 'lmcacheServer', 'redis', 's3'] && has(self.url))",
             "remote tiers use mooncake, lmcacheServer, redis or s3 and need a url",
         ),
+        cel(
+            "self.backend != 's3' || has(self.region)",
+            "s3 tiers need a region (LMCache's S3 connector requires s3_region)",
+        ),
+        cel(
+            "self.evictionPolicy == 'lru' || (self.tier == 'dram' && self.backend == 'native')",
+            "evictionPolicy arc is honoured only by vLLM's native CPU offload (dram, native): "
+            "LMCache, the remote stores and the engines' own pools evict by their own policy",
+        ),
+        cel(
+            "self.compression == 'none' || self.tier == 'remote'",
+            "compression applies only to remote tiers (LMCache's remote_serde); "
+            "dram, nvme and hbm tiers store blocks uncompressed",
+        ),
     )
 
     tier: TierKind
@@ -491,7 +505,16 @@ class KVCacheTierSpec(Model):
     eviction_policy: Eviction = Eviction.LRU
     volume: TierVolume | None = None
     url: str | None = Field(default=None, description="remote store address")
+    region: str | None = Field(
+        default=None, min_length=1, max_length=64, description="s3: the bucket's region"
+    )
     credentials_secret_ref: LocalObjectRef | None = None
+    master_image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="mooncake: image with mooncake_master for the managed master "
+        "(default: the engine image for SGLang pools; required for vLLM pools)",
+    )
 
 
 class KVCacheTierStatus(Model):

@@ -164,6 +164,30 @@ def test_long_names_and_tensor_parallel_pools_are_accepted(
         ),
         (obj("KVCacheTier", "n", {"tier": "dram", "bandwidthGbps": 0}), "should be greater than 0"),
         (
+            obj(
+                "KVCacheTier",
+                "s3-no-region",
+                {"tier": "remote", "backend": "s3", "url": "s3://b/kv", "bandwidthGbps": 1},
+            ),
+            "s3 tiers need a region",
+        ),
+        (
+            obj(
+                "KVCacheTier",
+                "lmcache-arc",
+                {"tier": "dram", "backend": "lmcache", "evictionPolicy": "arc", "bandwidthGbps": 5},
+            ),
+            "evictionPolicy arc is honoured only by vLLM's native CPU offload",
+        ),
+        (
+            obj(
+                "KVCacheTier",
+                "dram-cachegen",
+                {"tier": "dram", "compression": "cachegen", "bandwidthGbps": 5},
+            ),
+            "compression applies only to remote tiers",
+        ),
+        (
             obj("KVCacheTier", "o", {"tier": "dram", "bandwidthGbps": 5, "capacityPerPod": "lots"}),
             "should match",
         ),

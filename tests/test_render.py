@@ -15,6 +15,7 @@ names are valid and unique, GPUs match the spec. ``SCENARIOS`` is also what
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -25,7 +26,12 @@ from typing import Any
 
 import pytest
 import yaml
-from kvplane.operator.api import EnginePoolSpec, InferencePoolSpec, KVCacheTierSpec
+from kvplane.operator.api import (
+    Compression,
+    EnginePoolSpec,
+    InferencePoolSpec,
+    KVCacheTierSpec,
+)
 from kvplane.operator.render import (
     EnginePod,
     RenderError,
@@ -211,6 +217,7 @@ SCENARIOS: list[Scenario] = [
                 "latencyMs": 1.0,
                 "compression": "cachegen",
                 "url": MANAGED_MOONCAKE_URL,
+                "masterImage": "registry.example.com/mooncake-master:0.3.13.post1",
             },
         ],
     ),
@@ -562,6 +569,28 @@ def test_lmcache_config_from_tiers() -> None:
     assert config["remote_serde"] == "cachegen" and config["enable_kv_events"] is True
 
 
+def test_s3_tier_renders_lmcache_s3_region() -> None:
+    """LMCache's S3 connector asserts ``extra_config.s3_region`` (LMCache 0.5.6)."""
+    s3 = _tier(tier="remote", backend="s3", url="s3://bucket/kv", region="eu-west-1")
+    config = yaml.safe_load(lmcache_config([s3]))
+    assert config["remote_url"] == "s3://bucket/kv"
+    assert config["extra_config"] == {"s3_region": "eu-west-1"}
+
+
+def test_sglang_mooncake_advertises_the_pod_ip() -> None:
+    """SGLang's Mooncake store config defaults local_hostname to localhost."""
+    scenario = BY_NAME["sglang-pd-hicache-mooncake"]
+    args = [
+        a
+        for o in scenario.render()
+        if o["kind"] == "Deployment"
+        for c in o["spec"]["template"]["spec"]["containers"]
+        for a in c.get("args", [])
+        if "master_server_address" in a
+    ]
+    assert args and all(json.loads(a)["local_hostname"] == "$(POD_IP)" for a in args)
+
+
 def test_managed_mooncake_only_when_the_url_names_it() -> None:
     scenario = BY_NAME["sglang-pd-hicache-mooncake"]
     names = {o["metadata"]["name"] for o in scenario.render()}
@@ -605,9 +634,23 @@ def test_render_errors() -> None:
     sglang = _ipool(kind="sglang")
     with pytest.raises(RenderError, match="one storage backend"):
         sglang_args(EnginePod(sglang, Role.DECODE, one, [nvme, remote]))
-    s3 = _tier(tier="remote", backend="s3", url="s3://bucket/kv")
+    s3 = _tier(tier="remote", backend="s3", url="s3://bucket/kv", region="eu-west-1")
     with pytest.raises(RenderError, match="no s3 storage backend"):
         sglang_args(EnginePod(sglang, Role.DECODE, one, [s3]))
+    lmcache_dram = _tier(tier="dram", backend="lmcache", capacityPerPod="8Gi")
+    with pytest.raises(RenderError, match="backend is native"):
+        sglang_args(EnginePod(sglang, Role.DECODE, one, [lmcache_dram]))
+    arc = _tier(tier="dram", capacityPerPod="8Gi", evictionPolicy="arc")
+    with pytest.raises(RenderError, match="cannot honour evictionPolicy arc"):
+        sglang_args(EnginePod(sglang, Role.DECODE, one, [arc]))
+    packed = remote.model_copy(update={"compression": Compression.CACHEGEN})
+    with pytest.raises(RenderError, match="cannot compress the remote tier"):
+        sglang_args(EnginePod(sglang, Role.DECODE, one, [packed]))
+    scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
+    tiers = [{k: v for k, v in t.items() if k != "masterImage"} for t in scenario.tiers]
+    no_image = Scenario("x", scenario.ipool, scenario.decodes, scenario.prefill, tiers)
+    with pytest.raises(RenderError, match="needs the tier's masterImage"):
+        no_image.render()
     tiny = _tier(tier="dram", capacityPerPod="512Mi")
     with pytest.raises(RenderError, match="whole GB"):
         sglang_args(EnginePod(sglang, Role.DECODE, one, [tiny]))

@@ -71,6 +71,9 @@ def lmcache_config_dict(plan: TierPlan) -> Json:
     if plan.remote is not None:
         config["remote_url"] = _remote_url(plan.remote)
         config["remote_serde"] = _SERDE[plan.remote.compression]
+        if plan.remote.backend is TierBackend.S3:
+            # LMCache's S3 connector asserts extra_config.s3_region (CEL: s3 has a region)
+            config["extra_config"] = {"s3_region": plan.remote.region}
     # same chunk hashes on every pod, so a shared remote store deduplicates across them
     config["pre_caching_hash_algorithm"] = "sha256_cbor_64bit"
     # forward LMCache's stores into vLLM's KV event stream: the router indexes them

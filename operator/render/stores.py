@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from kvplane.operator.api import (
+    Engine,
     InferencePoolSpec,
     KVCacheTierSpec,
     ManagedRedis,
@@ -16,6 +17,7 @@ from kvplane.operator.api import (
 from kvplane.operator.render import k8s, names
 from kvplane.operator.render.names import Role
 from kvplane.operator.render.tiers import (
+    RenderError,
     is_managed_mooncake,
     quantity_bytes,
 )
@@ -174,25 +176,32 @@ def mooncake_objects(
     namespace: str,
     ipool: InferencePoolSpec,
     tiers: Sequence[KVCacheTierSpec],
-    *,
-    image: str | None = None,
 ) -> list[Json]:
     """A Mooncake Store master when a remote mooncake tier's url names ``<pool>-mooncake``.
 
     The master only keeps metadata (engines contribute the memory segments), so it
     is small; it also serves the transfer engine's HTTP metadata and /metrics, /health.
-    ``image`` defaults to the engine image: SGLang images ship ``mooncake_master``,
-    and the API has no separate field for it.
+    Its image is the tier's ``masterImage``, else the engine image of an SGLang pool
+    (SGLang images ship ``mooncake_master``); the vLLM images are not known to, so a
+    vLLM pool must name one (e.g. an image with the ``mooncake-transfer-engine`` wheel).
     """
     tier = managed_mooncake(ipool_name, namespace, tiers)
     if tier is None:
         return []
+    image = tier.master_image
+    if image is None and ipool.engine.kind is Engine.SGLANG:
+        image = ipool.engine.image
+    if image is None:
+        raise RenderError(
+            "a managed Mooncake master for a vLLM pool needs the tier's masterImage: "
+            "vLLM images are not known to ship mooncake_master"
+        )
     name = names.mooncake_name(ipool_name)
     labels = names.object_labels(ipool_name, Role.MOONCAKE, "mooncake-master")
     selector = names.selector_labels(ipool_name, Role.MOONCAKE)
     container: Json = {
         "name": "master",
-        "image": image or ipool.engine.image,
+        "image": image,
         "command": [
             "mooncake_master",
             "-rpc_address=0.0.0.0",

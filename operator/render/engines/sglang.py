@@ -11,8 +11,10 @@ from collections.abc import Mapping, Sequence
 from typing import ClassVar, Final
 
 from kvplane.operator.api import (
+    Compression,
     Connector,
     Engine,
+    Eviction,
     KVCacheTierSpec,
     KVTransfer,
     ScaleSignal,
@@ -61,6 +63,19 @@ def hicache_args(plan: TierPlan, tensor_parallel_size: int) -> list[str]:
     """
     if plan.dram is None and plan.nvme is None and plan.remote is None:
         return []
+    for tier in (plan.dram, plan.nvme, plan.remote):
+        if tier is not None and tier.eviction_policy is not Eviction.LRU:
+            raise RenderError(
+                f"SGLang HiCache cannot honour evictionPolicy {tier.eviction_policy.value} "
+                f"on the {tier.tier.value} tier: use lru"
+            )
+        if tier is not None and tier.compression is not Compression.NONE:
+            raise RenderError(
+                f"SGLang HiCache cannot compress the {tier.tier.value} tier "
+                f"({tier.compression.value}): use compression none"
+            )
+    if plan.dram is not None and plan.dram.backend is not TierBackend.NATIVE:
+        raise RenderError("SGLang's host pool is HiCache's own: the dram tier's backend is native")
     args = ["--enable-hierarchical-cache"]
     if plan.dram is not None:
         per_rank = quantity_bytes(plan.dram.capacity_per_pod) // tensor_parallel_size
@@ -83,7 +98,11 @@ def hicache_args(plan: TierPlan, tensor_parallel_size: int) -> list[str]:
                 f"SGLang HiCache has no {remote.backend.value} storage backend; use mooncake"
             )
         address = store_address(remote)
+        # SGLang's MooncakeStoreConfig.load_from_extra_config defaults local_hostname to
+        # "localhost", which other pods cannot reach: advertise the pod IP (the kubelet
+        # expands $(POD_IP) in container args), as the vLLM path does.
         extra = {
+            "local_hostname": "$(POD_IP)",
             "master_server_address": address.hostport,
             "metadata_server": mooncake_metadata_url(address),
             "global_segment_size": quantity_bytes(remote.capacity_per_pod),
