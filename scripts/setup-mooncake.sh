@@ -31,8 +31,10 @@ if [ ! -f "$stamp" ]; then
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "$VENV/bin/pip" install -q --no-deps "mooncake-transfer-engine==$MOONCAKE_VERSION" >&2
   mkdir -p "$LIBS"
+  # a machine whose package lists were never fetched knows no package: fetch them once
   # shellcheck disable=SC2086
-  (cd "$LIBS" && apt-get download $DEBS >&2)
+  (cd "$LIBS" && { apt-get download $DEBS >&2 2>/dev/null \
+    || { apt-get update -qq >&2 && apt-get download $DEBS >&2; }; })
   for deb in "$LIBS"/*.deb; do dpkg -x "$deb" "$LIBS/root"; done
   touch "$stamp"
 fi
