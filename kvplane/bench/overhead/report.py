@@ -168,7 +168,9 @@ def render_markdown(doc: dict[str, Any]) -> str:
         "",
         "vllm-router command lines (policy defaults otherwise): "
         + "; ".join(
-            f"`{v}`" for k, v in doc.get("commands", {}).items() if not k.startswith("kvplane")
+            f"`{_program_name(v)}`"
+            for k, v in doc.get("commands", {}).items()
+            if not k.startswith("kvplane")
         )
         + ". `kv_aware` discovers each worker through `GET /get_server_info` and "
         "`GET /kv_event_sources`; it and `cache_aware` tokenize every request by "
@@ -222,3 +224,9 @@ def _short_cmd(cmd: str) -> str:
 def update_markdown(path: Path, section: str) -> None:
     """Replaces (or appends) the ``## Router overhead`` section of RESULTS.md."""
     _update_section(path, section, SECTION)
+
+
+def _program_name(command: str) -> str:
+    """A command line as recorded, with its program by name (no path of this machine)."""
+    program, _, rest = command.partition(" ")
+    return f"{program.rsplit('/', 1)[-1]} {rest}".rstrip()
