@@ -126,7 +126,9 @@ class Exchange:
         headers = {"x-request-id": self._head.request_id, **pick.headers}
         if body is not None:
             headers["content-length"] = str(len(body))
-        return msg.destination(pick.endpoints, headers, phase, body if replace else None)
+        return msg.destination(
+            pick.endpoints, headers, phase, body if replace else None, self._picker.strip
+        )
 
     # --- response ---------------------------------------------------------------
 

@@ -107,14 +107,18 @@ def destination(
     headers: Mapping[str, str],
     phase: str = "request_headers",
     body: bytes | None = None,
+    remove: Sequence[str] = (),
 ) -> pb.ProcessingResponse:
     """The answer that routes: the endpoint list in the destination header and in the
     ``envoy.lb`` metadata, ``headers`` set on the request, the route re-evaluated.
     ``phase``: the message it answers (``request_body`` where headers were answered
-    already, in ``BUFFERED`` mode, which may also replace the ``body``)."""
+    already, in ``BUFFERED`` mode, which may also replace the ``body``); ``remove``:
+    request headers the engine must not see."""
     value = ",".join(endpoints)
     common = pb.CommonResponse(
-        header_mutation=pb.HeaderMutation(set_headers=_set({DESTINATION: value, **headers})),
+        header_mutation=pb.HeaderMutation(
+            set_headers=_set({DESTINATION: value, **headers}), remove_headers=list(remove)
+        ),
         clear_route_cache=True,
     )
     if body is not None:

@@ -23,6 +23,7 @@ from kvplane.router.auth import Disclosure, Role, disclose, disclosure
 from kvplane.router.config import PDConnector
 from kvplane.router.epp.endpoints import Endpoints
 from kvplane.router.errors import APIError
+from kvplane.router.headers import CREDENTIALS, HeaderPolicy
 from kvplane.router.load import Attempt
 from kvplane.router.models import ModelRegistry
 from kvplane.router.pd import protocols
@@ -192,6 +193,9 @@ class Picker:
         self.registry = registry
         self.settings = settings
         self.gate = next(iter(registry)).gate  # the router's auth: the first pool's
+        # the client's credentials stay at the gateway, as at the router (auth.forward_*)
+        drop = HeaderPolicy.of(next(iter(registry)).config).drop
+        self.strip = sorted(name.decode() for name in drop & CREDENTIALS)
         self._endpoints = {id(r): Endpoints(r.pool) for r in registry}
         for r in registry:
             if r.config.pd is not None and r.config.pd.connector is not PDConnector.NIXL:
