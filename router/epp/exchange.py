@@ -41,6 +41,8 @@ class Exchange:
     async def on(self, req: ProcessingRequest) -> list[ProcessingResponse]:
         """The answers to one message from the data plane (possibly none yet)."""
         phase = msg.phase_of(req)
+        if self._done and phase in ("request_body", "request_trailers"):
+            return []  # answered already (a refusal): the rest of the body routes nothing
         try:
             if phase == "request_headers":
                 return await self._request_headers(req)
