@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvplane.router.backoff import Backoff
-from kvplane.router.kube import Kube, api_error_status, not_served
+from kvplane.router.kube import API_VERSIONS, Kube, api_error_status, not_served
 
 from kvplane.types import Json
 
@@ -149,6 +149,8 @@ class Informer:
                     self._pending -= 1
                     if self._pending == 0:
                         self.synced.set()
+                    await self._until_served(watched.kind)
+                    continue
                 delay = backoff.next()
                 log.warning(
                     "watch of %s in %s failed (%s); listing again in %.1fs",
@@ -157,6 +159,32 @@ class Informer:
                     exc,
                     delay,
                 )
+                await asyncio.sleep(delay)
+
+    async def _until_served(self, kind: str) -> None:
+        """Returns once ``kind``'s CRD is established, learnt from a watch of the
+        CRDs: an absent optional kind (GIE's InferencePool) costs no request at rest."""
+        name = kind.partition(".")[0]
+        group = API_VERSIONS[kind].rpartition("/")[0]
+        backoff = Backoff(0.5, 30.0)
+        while True:
+            try:
+                crds, version = await self._client.list_versioned("CustomResourceDefinition")
+                if any(_defines(crd, group, name) for crd in crds):
+                    return
+                while True:
+                    async for event, crd in self._client.watch(
+                        "CustomResourceDefinition", None, version, timeout_s=self._watch_timeout_s
+                    ):
+                        version = crd["metadata"].get("resourceVersion", version)
+                        if event in ("ADDED", "MODIFIED") and _defines(crd, group, name):
+                            return
+                    backoff.reset()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                delay = 0.0 if api_error_status(exc) == 410 else backoff.next()
+                log.warning("watch of CRDs for %s failed (%s); again in %.1fs", kind, exc, delay)
                 await asyncio.sleep(delay)
 
     # --- the cache -----------------------------------------------------------------
@@ -215,3 +243,12 @@ class Informer:
             self._on_change(kind, old, new)
         except Exception:  # a bug in a handler must not stop the cache
             log.exception("handling a change of %s failed", kind)
+
+
+def _defines(crd: Json, group: str, kind: str) -> bool:
+    """Whether ``crd`` serves ``kind`` of ``group`` (established)."""
+    spec = crd.get("spec") or {}
+    if spec.get("group") != group or (spec.get("names") or {}).get("kind") != kind:
+        return False
+    conditions = (crd.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Established" and c.get("status") == "True" for c in conditions)

@@ -61,6 +61,7 @@ API_VERSIONS: Final[dict[str, str]] = {
     "PrefillPool": "kvplane.io/v1alpha1",
     "DecodePool": "kvplane.io/v1alpha1",
     "KVCacheTier": "kvplane.io/v1alpha1",
+    "CustomResourceDefinition": "apiextensions.k8s.io/v1",
     # the Gateway API Inference Extension's pool, named apart from kvplane's own kind
     "InferencePool.inference.networking.k8s.io": "inference.networking.k8s.io/v1",
 }

@@ -37,7 +37,7 @@ def both(k8s_cluster: K8sCluster) -> Iterator[K8sCluster]:
     try:
         yield c
     finally:
-        c.kubectl("delete", "crd", GIE_CRD_NAME, "--wait=true", timeout_s=90)
+        c.kubectl("delete", "crd", GIE_CRD_NAME, "--ignore-not-found", "--wait=true", timeout_s=90)
 
 
 def apply(c: K8sCluster, ns: str, manifest: dict[str, Any]) -> None:
@@ -126,3 +126,56 @@ def test_short_names_and_categories_do_not_collide(both: K8sCluster) -> None:
             for s in shortnames.split(","):
                 short.setdefault(s, []).append(name)
     assert short and all(len(v) == 1 for v in short.values()), short
+
+
+def test_the_informer_waits_for_gies_crd_without_polling(k8s_cluster: K8sCluster) -> None:
+    """Without GIE's CRD the operator's informer counts its InferencePool as synced and
+    empty, then learns of the CRD from a watch of CRDs (no request while none comes) and
+    from then on caches GIE's pools."""
+    import asyncio
+    import time
+
+    from kvplane.operator.informer import Informer, Watched
+    from kvplane.router.kube import Kube
+
+    c = k8s_cluster
+    kind = "InferencePool.inference.networking.k8s.io"
+    c.kubectl("delete", "crd", GIE_CRD_NAME, "--ignore-not-found", "--wait=true", timeout_s=90)
+    ns = f"gie-late-{int(time.time() * 1000) % 100000}"
+    c.kubectl("create", "namespace", ns)
+
+    async def run() -> None:
+        client = await Kube.connect(str(c.kubeconfig))
+        informer = Informer(client, [Watched(kind)], None, lambda *_: None)
+        informer.start()
+        try:
+            await asyncio.wait_for(informer.synced.wait(), 60)
+            assert informer.objects(kind) == []
+            await asyncio.to_thread(install_and_create)
+            deadline = time.monotonic() + 90
+            while not informer.objects(kind, ns):
+                assert time.monotonic() < deadline, "GIE's pool never reached the cache"
+                await asyncio.sleep(0.1)
+        finally:
+            await informer.stop()
+            await client.close()
+
+    def install_and_create() -> None:
+        c.kubectl("apply", "-f", str(GIE_CRD / "inference.networking.k8s.io_inferencepools.yaml"))
+        c.kubectl("wait", "--for=condition=Established", f"crd/{GIE_CRD_NAME}", "--timeout=60s")
+        pool = {
+            "apiVersion": GIE_API_VERSION,
+            "kind": "InferencePool",
+            "metadata": {"name": "late", "namespace": ns},
+            "spec": {
+                "selector": {"matchLabels": {"app": "x"}},
+                "targetPorts": [{"number": 8000}],
+                "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
+            },
+        }
+        c.kubectl("apply", "-f", "-", input=json.dumps(pool))
+
+    try:
+        asyncio.run(run())
+    finally:
+        c.kubectl("delete", "crd", GIE_CRD_NAME, "--ignore-not-found", "--wait=true", timeout_s=90)

@@ -565,7 +565,7 @@ def test_every_rendered_object_reads_back_as_applied(
 
     from kvplane.operator.compare import covers
     from kvplane.operator.render import inference_pool_objects
-    from kvplane.router.kube import Kube
+    from kvplane.router.kube import Kube, kind_key
     from test_render import OPERATOR_IMAGE, POOL, SCENARIOS
 
     ns = k8s_namespace
@@ -586,9 +586,18 @@ def test_every_rendered_object_reads_back_as_applied(
                 for obj in objects:
                     await client.apply(obj, "kvplane-test")
                 for obj in objects:
-                    live = await client.get(obj["kind"], ns, obj["metadata"]["name"])
+                    live = await client.get(kind_key(obj), ns, obj["metadata"]["name"])
                     assert live is not None and covers(live, obj), (s.name, obj["kind"], obj)
         finally:
             await client.close()
 
-    asyncio.run(scenario())
+    # the gateway scenario renders GIE's InferencePool: its CRD, for this test only (other
+    # modules' plain `inferencepool` names kvplane's)
+    gie = "inferencepools.inference.networking.k8s.io"
+    crd = Path(__file__).resolve().parents[1] / "third_party" / "gateway-api-inference-extension"
+    k8s_cluster.kubectl("apply", "-f", str(crd / "inference.networking.k8s.io_inferencepools.yaml"))
+    k8s_cluster.kubectl("wait", "--for=condition=Established", f"crd/{gie}", "--timeout=60s")
+    try:
+        asyncio.run(scenario())
+    finally:
+        k8s_cluster.kubectl("delete", "crd", gie, "--wait=true", timeout_s=90)
