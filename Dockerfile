@@ -24,6 +24,8 @@ COPY operator/ operator/
 RUN python3 -m venv /opt/kvplane \
     && /opt/kvplane/bin/pip wheel --no-deps --wheel-dir /wheels . \
     && /opt/kvplane/bin/pip install --no-compile "$(ls /wheels/kvplane-*.whl)[operator]" \
+    && /opt/kvplane/bin/pip install --no-compile --no-deps --force-reinstall \
+       "opentelemetry-proto==$(/opt/kvplane/bin/python -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')" \
     && /opt/kvplane/bin/pip uninstall --yes pip setuptools wheel \
     && /opt/kvplane/bin/kvplane --help > /dev/null
 

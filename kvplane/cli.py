@@ -63,11 +63,9 @@ def _router(args: argparse.Namespace) -> int:
 
 def _epp(args: argparse.Namespace) -> int:
     configs = _load_pools(args.config)
-    try:
-        from kvplane.router.epp.picker import PickerSettings
-        from kvplane.router.epp.server import serve
-    except ImportError as exc:  # the epp extra: grpcio and Envoy's protobufs
-        raise SystemExit(f"kvplane epp needs {exc.name}: pip install 'kvplane[epp]'") from exc
+    from kvplane.router.epp.picker import PickerSettings
+    from kvplane.router.epp.server import serve
+
     settings = PickerSettings(fallbacks=args.fallbacks, max_body_bytes=args.max_body_bytes)
     try:
         asyncio.run(serve(configs, args.port, settings, args.host, args.metrics_port))

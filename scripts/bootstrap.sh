@@ -26,6 +26,11 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/pip" install -q -U pip setuptools wheel
   "$VENV/bin/pip" install -q -e "$ROOT[dev,operator]" --config-settings editable_mode=strict \
     2> >(grep -v -e BuildBackendWarning -e '^ *!!' -e '^ *\*\*\*' >&2)
+  # xds-protos (the endpoint picker's Envoy protobufs) ships an older copy of the
+  # opentelemetry/proto modules over opentelemetry-proto's (which the OTLP exporter needs)
+  # when pip happens to install it second: put opentelemetry-proto's own files back
+  "$VENV/bin/pip" install -q --no-deps --force-reinstall "opentelemetry-proto==$(
+    "$VENV/bin/python" -c 'from importlib.metadata import version; print(version("opentelemetry-proto"))')"
   rm -f "$VENV"/.deps-*
   touch "$stamp"
 else
