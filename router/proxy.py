@@ -130,6 +130,8 @@ async def _unless_still(
     """``post``'s response head, unless the engine computes nothing for ``still_s``
     while it waits (``BackendState.still_for``): then the request is abandoned
     (closing its connection aborts it in the engine) and BackendUnavailable raised."""
+    if state.stats.progress is None:  # no progress figure (SGLang): nothing to watch
+        return await post
     task = asyncio.ensure_future(post)
     since = time.monotonic()
     try:
