@@ -31,6 +31,7 @@ from kvplane.router.index.guarded import GuardedIndex
 from kvplane.router.index.instrumented import InstrumentedIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
+from kvplane.router.index.shared import with_shared_stores
 from kvplane.router.kvevents.service import Indexer
 from kvplane.router.models import ModelRegistry
 from kvplane.router.openapi import router_openapi
@@ -39,6 +40,7 @@ from kvplane.router.pipeline import Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
 from kvplane.router.proxy import Dispatch, Proxy
 from kvplane.router.request import parse_request
+from kvplane.router.shared import SharedStores
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
@@ -61,7 +63,16 @@ def pool_generation(config: RouterConfig) -> str:
 
 
 def make_index(config: RouterConfig, generation: str, owner: str | None = None) -> ResidencyIndex:
-    """The configured index; ``owner``: an indexer's id when streams are leased."""
+    """The configured index; ``owner``: an indexer's id when streams are leased. With
+    shared stores, remote-tier blocks are the stores' (``index.shared``)."""
+    backend = make_backend(config, generation, owner)
+    return with_shared_stores(backend, SharedStores.of(config.shared_stores))
+
+
+def make_backend(
+    config: RouterConfig, generation: str, owner: str | None = None
+) -> MemoryIndex | RedisIndex:
+    """The configured index backend itself (``make_index`` wraps it)."""
     if config.index.backend == "redis":
         return make_redis_index(config, generation, owner)
     return MemoryIndex()

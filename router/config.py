@@ -229,6 +229,34 @@ class PDSpec(_Strict):
     )
 
 
+class SharedStoreSpec(_Strict):
+    """A KV store every listed pod writes its remote tier to and loads from (Mooncake
+    Store, an LMCache remote server, SGLang HiCache on Mooncake): a block one pod wrote
+    there is resident for all of them, and outlives its writer."""
+
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9.-]{0,62}$", description="the store's id")
+    pods: list[str] | None = Field(
+        default=None,
+        description="backends that write to and read from it (their remote-tier KV "
+        "events are the store's); absent: every pod of the pool",
+    )
+    link: TierCost = Field(
+        default_factory=lambda: TierCost(bandwidth_gbps=25.0, latency_ms=1.0),
+        description="loading from the store into a reader's HBM (the remote tier's cost "
+        "for its readers)",
+    )
+
+
+class PeerPullSpec(_Strict):
+    """The engines can pull KV from each other (vLLM's NIXL connector, LMCache P2P,
+    Mooncake's transfer engine): a prefix in another pod's HBM or DRAM is an option."""
+
+    link: LinkCost = Field(
+        default_factory=lambda: LinkCost(bandwidth_gbps=40.0, latency_ms=0.2),
+        description="pod to pod, into the puller's HBM",
+    )
+
+
 class TracingConfig(_Strict):
     """OpenTelemetry traces of requests (router/tracing.py), exported over OTLP/HTTP."""
 
@@ -378,6 +406,13 @@ class RouterConfig(_Strict):
     pd: PDSpec | None = Field(
         default=None, description="prefill/decode disaggregation over backends' roles"
     )
+    shared_stores: list[SharedStoreSpec] = Field(
+        default_factory=list,
+        description="pool-wide KV stores: their blocks count for every reader (docs/router.md)",
+    )
+    peer_pull: PeerPullSpec | None = Field(
+        default=None, description="pods may pull a prefix from another pod's HBM or DRAM"
+    )
     auth: AuthSpec = Field(default_factory=AuthSpec)
     server: ServerSpec = Field(default_factory=ServerSpec)
     tracing: TracingConfig | None = Field(default=None, description="off when absent")
@@ -403,6 +438,13 @@ class RouterConfig(_Strict):
             raise ValueError(f"backend names must be unique: {names}")
         if self.pd is None and any(b.role is BackendRole.PREFILL for b in self.backends):
             raise ValueError("backends with role 'prefill' need a 'pd' section")
+        return self
+
+    @model_validator(mode="after")
+    def _unique_stores(self) -> RouterConfig:
+        names = [s.name for s in self.shared_stores]
+        if len(names) != len(set(names)):
+            raise ValueError(f"shared store names must be unique: {names}")
         return self
 
 

@@ -17,14 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
-from kvplane.router.app import make_discovery, make_index, pool_generation
+from kvplane.router.app import make_backend, make_discovery, pool_generation
 from kvplane.router.config import Backend, load_config
 from kvplane.router.index.base import ResidencyIndex
 from kvplane.router.index.instrumented import CountedWrites
 from kvplane.router.index.redis import RedisIndex
 from kvplane.router.index.redis_gc import DEFAULT_GRACE_S, run_collector
+from kvplane.router.index.shared import with_shared_stores
 from kvplane.router.kvevents.ownership import DEFAULT_LEASE_S, Ownership, new_owner_id
 from kvplane.router.kvevents.service import Indexer
+from kvplane.router.shared import SharedStores
 from kvplane.router.telemetry import indexer_blocks
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -141,9 +143,10 @@ async def run_indexer(
         log.warning("indexer with an in-memory index only helps an embedded router")
     generation = pool_generation(config)
     owner = indexer_id or new_owner_id()
-    index = make_index(config, generation, owner if config.index.backend == "redis" else None)
+    index = make_backend(config, generation, owner if config.index.backend == "redis" else None)
     registry = CollectorRegistry()
-    writes = CountedWrites(index, indexer_blocks(registry))
+    stores = SharedStores.of(config.shared_stores)
+    writes = CountedWrites(with_shared_stores(index, stores), indexer_blocks(registry))
     indexer = Indexer(writes, generation=generation, block_size=config.model.block_size)
     ownership = Ownership(index, owner, lease_s) if isinstance(index, RedisIndex) else None
     log.info("indexer %s (generation %s)", owner, generation)

@@ -8,9 +8,12 @@ import random
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from kvplane.router.config import SharedStoreSpec
 from kvplane.router.index.base import CHUNK, Blocks, ResidencyIndex, chunk_anchors, cumulative
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex
+from kvplane.router.index.shared import SharedTierIndex
+from kvplane.router.shared import SharedStores
 from kvplane.router.tiers import TIER_ORDER, Tier
 from support.redis_server import RedisServer
 
@@ -226,6 +229,101 @@ async def test_random_writes_agree_with_reference_semantics(index: ResidencyInde
     finally:
         if idx is not index:
             await idx.close()
+
+
+def _shared(index: ResidencyIndex, *stores: SharedStoreSpec) -> SharedTierIndex:
+    assert isinstance(index, MemoryIndex | RedisIndex)
+    return SharedTierIndex(index, SharedStores.of(stores))
+
+
+async def test_a_shared_store_block_is_every_readers(index: ResidencyIndex) -> None:
+    """A remote-tier block a pod wrote to a shared store counts for every pod that reads
+    the store, even one the index has never heard of, and for no other pod."""
+    idx = _shared(index, SharedStoreSpec(name="s", pods=["a", "b", "c"]))
+    await idx.begin_incarnation("a", "1")
+    await idx.begin_incarnation("d", "1")
+    await idx.store("a", "1", at(KEYS), R)
+    await idx.store("d", "1", at(KEYS, 0, 2), R)  # d does not use the store: its own
+    got = await idx.lookup(KEYS, ["a", "b", "c", "d"])
+    assert got["a"] == got["b"] == got["c"] == _m(0, 0, 0, 5)
+    assert got["d"] == _m(0, 0, 0, 2)
+    everyone = _shared(index, SharedStoreSpec(name="s"))  # pods absent: the whole pool
+    assert (await everyone.lookup(KEYS, ["z"]))["z"] == _m(0, 0, 0, 5)
+
+
+async def test_shared_blocks_outlive_their_writer(index: ResidencyIndex) -> None:
+    idx = _shared(index, SharedStoreSpec(name="s"))
+    await idx.begin_incarnation("a", "1")
+    await idx.store("a", "1", at(KEYS), R)
+    await idx.store("a", "1", at(KEYS, 0, 2), H)
+    await idx.drop_pod("a")  # the writer dies: its HBM goes, the store's blocks stay
+    assert (await idx.lookup(KEYS, ["a", "b"])) == {"a": _m(0, 0, 0, 5), "b": _m(0, 0, 0, 5)}
+    await idx.begin_incarnation("a", "2")  # and a restart does not hide them either
+    assert (await idx.lookup(KEYS, ["a"]))["a"] == _m(0, 0, 0, 5)
+
+
+async def test_a_store_eviction_leaves_every_reader(index: ResidencyIndex) -> None:
+    """The store's BlockRemoved (remote medium), from any reader, ends the blocks."""
+    idx = _shared(index, SharedStoreSpec(name="s"))
+    await idx.begin_incarnation("a", "1")
+    await idx.begin_incarnation("b", "1")
+    await idx.store("a", "1", at(KEYS), R)
+    await idx.remove("b", "1", at(KEYS, 3), R)
+    assert (await idx.lookup(KEYS, ["a", "b"])) == {"a": _m(0, 0, 0, 3), "b": _m(0, 0, 0, 3)}
+
+
+async def test_a_reader_run_joins_its_own_tiers_and_the_store_block_by_block(
+    index: ResidencyIndex,
+) -> None:
+    idx = _shared(index, SharedStoreSpec(name="s"))
+    await idx.begin_incarnation("a", "1")
+    await idx.begin_incarnation("b", "1")
+    anchors = chunk_anchors(KEYS)
+    await idx.store("a", "1", at(KEYS, 0, 3), H)
+    await idx.store(
+        "b", "1", Blocks([KEYS[0], KEYS[1], KEYS[3], KEYS[4]], anchors[:2] + anchors[3:]), R
+    )
+    got = await idx.lookup(KEYS, ["a", "b"])
+    assert got["a"] == _m(3, 3, 3, 5), "HBM for 0-2, the store for 3-4"
+    assert got["b"] == _m(0, 0, 0, 2)
+
+
+async def test_random_shared_writes_agree_with_reference_semantics(index: ResidencyIndex) -> None:
+    """Random writes of readers and a non-reader vs ``cumulative()`` over each pod's own
+    blocks joined with the store's, on a prompt of three chunks."""
+    idx = _shared(index, SharedStoreSpec(name="s", pods=["a", "b"]))
+    rnd = random.Random(5)
+    pods = ["a", "b", "c"]
+    keys = [rnd.getrandbits(64) for _ in range(2 * CHUNK + 6)]
+    anchors = chunk_anchors(keys)
+    held: dict[str, dict[int, set[Tier]]] = {p: {} for p in pods}
+    store: set[int] = set()
+    for p in pods:
+        await idx.begin_incarnation(p, "1")
+    for step in range(300):
+        p, tier = rnd.choice(pods), rnd.choice(TIER_ORDER)
+        at_ = rnd.sample(range(len(keys)), rnd.randint(1, 8))
+        sel = Blocks([keys[i] for i in at_], [anchors[i] for i in at_])
+        op = rnd.random()
+        shared = tier is R and p != "c"
+        if op < 0.55:
+            await idx.store(p, "1", sel, tier)
+            for k in sel.keys:
+                store.add(k) if shared else held[p].setdefault(k, set()).add(tier)
+        elif op < 0.95:
+            await idx.remove(p, "1", sel, tier)
+            for k in sel.keys:
+                store.discard(k) if shared else held[p].get(k, set()).discard(tier)
+        else:
+            await idx.drop_pod(p)
+            await idx.begin_incarnation(p, "1")
+            held[p] = {}
+        query = keys[: rnd.randint(0, len(keys))]
+        got = await idx.lookup(query, pods)
+        for q in pods:
+            extra = {R} if q != "c" else set()
+            blocks = [held[q].get(k, set()) | (extra if k in store else set()) for k in query]
+            assert got[q] == cumulative(blocks, TIER_ORDER), (step, q)
 
 
 @pytest.mark.parametrize("where", ["redis", "redis-cluster"])

@@ -25,6 +25,7 @@ from operator import and_
 from typing import Final
 
 from kvplane.router.index.base import Blocks, PrefixMatches
+from kvplane.router.shared import SharedReads
 from kvplane.router.tiers import TIER_BIT, TIER_ORDER, Tier
 
 N_TIERS: Final = len(TIER_ORDER)
@@ -54,6 +55,14 @@ class _PodState:
     masks: dict[int, int] = field(default_factory=dict)
     tentative: dict[int, float] = field(default_factory=dict)  # key -> expiry
     expiries: list[tuple[float, int]] = field(default_factory=list)  # heap
+
+
+def _spread(spreads: tuple[tuple[int, int], ...], packed: int) -> int:
+    """``packed`` with each holder's field ORed into its reader's: the union of two
+    cumulative fields is the cumulative field of the union of their tiers."""
+    for holder, reader in spreads:
+        packed |= ((packed >> holder) & FIELD) << reader
+    return packed
 
 
 def _lacks(bit: int, packed: int) -> bool:
@@ -170,6 +179,37 @@ class MemoryIndex:
                 tentative[key] = expiry
 
     async def lookup(self, keys: Sequence[int], pods: Sequence[str]) -> PrefixMatches:
+        return self._lookup(keys, pods, ())
+
+    async def lookup_shared(
+        self, keys: Sequence[int], pods: Sequence[str], shared: SharedReads
+    ) -> PrefixMatches:
+        """``lookup`` where each pod of ``shared`` also holds what its holders hold (per
+        block: a run may alternate between the pod's own tiers and a store)."""
+        holders = [h for pod in pods for h in shared.get(pod, ())]
+        asked = list(dict.fromkeys([*pods, *holders]))
+        spreads: list[tuple[int, int]] = []  # (holder's shift, reader's shift)
+        slotless: list[tuple[str, str]] = []  # a reader with no state: the holder's run
+        for pod in pods:
+            reader = self._pods.get(pod)
+            for holder in shared.get(pod, ()):
+                held = self._pods.get(holder)
+                if held is None:
+                    continue
+                if reader is None:
+                    slotless.append((pod, holder))
+                else:
+                    spreads.append((held.slot * N_TIERS, reader.slot * N_TIERS))
+        out = self._lookup(keys, asked, tuple(spreads))
+        for pod, holder in slotless:
+            mine = out[pod]
+            for tier, n in out[holder].items():
+                mine[tier] = max(mine[tier], n)
+        return {pod: out[pod] for pod in pods}
+
+    def _lookup(
+        self, keys: Sequence[int], pods: Sequence[str], spreads: tuple[tuple[int, int], ...]
+    ) -> PrefixMatches:
         now = self._clock()
         start = 0
         for pod in pods:
@@ -179,11 +219,10 @@ class MemoryIndex:
                 start |= FIELD << (state.slot * N_TIERS)
         running = [start]
         if start:
-            running = list(
-                takewhile(
-                    bool, accumulate(map(self._packed.get, keys, repeat(0)), and_, initial=start)
-                )
-            )
+            values = map(self._packed.get, keys, repeat(0))
+            if spreads:
+                values = map(partial(_spread, spreads), values)
+            running = list(takewhile(bool, accumulate(values, and_, initial=start)))
         out: PrefixMatches = {}
         for pod in pods:
             state = self._pods.get(pod)

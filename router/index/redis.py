@@ -37,6 +37,7 @@ from kvplane.router.index.redis_layout import (
 )
 from kvplane.router.index.redis_lua import LOOKUP, SLOT, TENTATIVE, WRITE
 from kvplane.router.index.redis_nodes import Arg, Nodes, Script, TopologyChanged
+from kvplane.router.shared import SharedReads, is_holder
 from kvplane.router.tiers import TIER_BIT, TIER_ORDER, Tier
 
 # Tentative marks live in windows this long; a mark's TTL is at most one window.
@@ -213,7 +214,8 @@ class RedisIndex:
     async def _slot_op(self, op: str, pod: str, incarnation: str) -> int:
         await self.nodes.connect()
         n = self.names
-        leased = self._owner is not None and op != "mark"
+        # a shared store's holder is written by every indexer of its readers: no lease
+        leased = self._owner is not None and op != "mark" and not is_holder(pod)
         lease, owner = (n.lease(pod), self._owner or "") if leased else (b"", "")
         args: list[Arg] = [op, n.pods, n.slots, lease, owner, pod, incarnation]
         args += [self.now_ms(), MAX_SLOTS, n.pods_version]
@@ -353,6 +355,12 @@ class RedisIndex:
     # ----------------------------------------------------------------------- lookups
 
     async def lookup(self, keys: Sequence[int], pods: Sequence[str]) -> PrefixMatches:
+        return await self.lookup_shared(keys, pods, {})
+
+    async def lookup_shared(
+        self, keys: Sequence[int], pods: Sequence[str], shared: SharedReads
+    ) -> PrefixMatches:
+        """``lookup`` where each pod of ``shared`` also holds what its holders hold."""
         if not pods:
             return {}
         if not keys:
@@ -400,9 +408,18 @@ class RedisIndex:
         for pod, slot in zip(pods, slots, strict=True):
             if slot is not None:
                 self._seen[pod] = (slot, now)
-        runs = prefixes(n, slots, found, now_ms)
+        unions: list[tuple[int, int]] = []  # (reader's column, holder's column)
+        if shared:
+            columns = {pod: c for c, pod in enumerate(pods)}
+            for pod in pods:
+                for holder in shared.get(pod, ()):
+                    if holder not in columns:
+                        columns[holder] = len(slots)
+                        slots.append(table_now.get(holder))
+                    unions.append((columns[pod], columns[holder]))
+        runs = prefixes(n, slots, found, now_ms, unions)
         out: PrefixMatches = {}
-        for pod, run in zip(pods, runs, strict=True):
+        for pod, run in zip(pods, runs, strict=False):
             out[pod] = _ZERO.copy() if run is None else dict(zip(TIER_ORDER, run, strict=True))
         return out
 

@@ -180,10 +180,15 @@ class Found:
 
 
 def prefixes(
-    n: int, slots: Sequence[int | None], found: Found, now_ms: int
+    n: int,
+    slots: Sequence[int | None],
+    found: Found,
+    now_ms: int,
+    unions: Sequence[tuple[int, int]] = (),
 ) -> list[list[int] | None]:
     """Per candidate (by slot; None: unknown pod), its leading blocks per tier (None:
-    none at all), from the holders of a prompt's ``n`` blocks."""
+    none at all), from the holders of a prompt's ``n`` blocks. ``unions``: (reader,
+    holder) columns; the reader also holds, block by block, what the holder holds."""
     col_of = {s: c for c, s in enumerate(slots) if s is not None}
     out: list[list[int] | None] = [None] * len(slots)
     if not col_of:
@@ -214,6 +219,9 @@ def prefixes(
             cols = colmap[marks >> EXPIRY_BITS]
             keep = (cols >= 0) & ((marks & ((1 << EXPIRY_BITS) - 1)) > now_ms)
             cells[rows[keep], cols[keep]] = FIELD  # held in HBM: counts in every tier
+    for reader, holder in unions:
+        # the union of two cumulative fields is the cumulative field of the union
+        cells[:, reader] |= cells[:, holder]
     active = np.flatnonzero(cells[0])  # a prefix starts at the first block
     if active.size:
         sub: npt.NDArray[np.uint8] = cells[:, active]
