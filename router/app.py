@@ -525,7 +525,12 @@ def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
                 ttft_ms=t.ttft_ms,
                 cached_tokens=t.cached_tokens,
                 loaded_tokens={k.value: v for k, v in t.loaded_from.items()},
+                loaded_ms={k.value: v for k, v in t.loaded_ms.items()},
             )
+            if t.store is not None:
+                entry["shared_store"] = t.store
+            if t.peer is not None:
+                entry["peer_pull"] = {"pod": t.peer, "tokens": t.peer_tokens, "ms": t.peer_ms}
         candidates.append(entry)
     return {
         "pod": d.pod,

@@ -14,7 +14,11 @@
 
 A connector can only load a contiguous prefix, so the choice is one cut: load
 tiers up to some boundary, recompute everything after it. Every cut is costed
-and the cheapest kept, which is "recompute when transfer is slower".
+and the cheapest kept, which is "recompute when transfer is slower". A pool's
+shared store is the remote tier of the pods that read it, at the store's link
+(``router.shared``). Where pods can pull KV from each other (``peer_pull``), one
+more option is costed: pull the prefix another pod holds in HBM or DRAM (a
+``PeerOffer``) over the pod-to-pod link, beyond what is resident here.
 Pure functions only: the router, the explain endpoint and the discrete-event
 simulator share them.
 """
@@ -24,7 +28,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from kvplane.router.config import CostParams, RouterConfig
+from kvplane.router.config import CostParams, LinkCost, RouterConfig, TierCost
+from kvplane.router.pd.topology import transfer_ms as link_ms
+from kvplane.router.shared import SharedStores
 from kvplane.router.tiers import TIER_ORDER, Tier
 
 
@@ -53,6 +59,10 @@ class CostTerms:
     cached_tokens: int  # tokens reused: resident in HBM or loaded from a slower tier
     loaded_from: dict[Tier, int] = field(default_factory=dict)  # tokens loaded per tier
     loaded_ms: dict[Tier, float] = field(default_factory=dict)  # their transfer, per tier
+    store: str | None = None  # the shared store the remote tier's tokens come from
+    peer: str | None = None  # the pod a prefix is pulled from (peer_pull)
+    peer_tokens: int = 0  # tokens pulled from it (part of cached_tokens)
+    peer_ms: float = 0.0  # their transfer (part of transfer_ms)
 
     @property
     def ttft_ms(self) -> float:
@@ -79,12 +89,39 @@ def queue_ms(load: PodLoad, params: CostParams) -> float:
 
 
 def transfer_ms(tokens: int, tier: Tier, params: CostParams, kv_bytes_per_token: int) -> float:
+    return _load_ms(tokens, params.tiers.get(tier), kv_bytes_per_token)
+
+
+def _load_ms(tokens: int, t: TierCost | None, kv_bytes_per_token: int) -> float:
     if tokens <= 0:
         return 0.0
-    t = params.tiers.get(tier)
     if t is None:  # a tier without a configured path cannot be loaded from
         return float("inf")
     return t.latency_ms + tokens * kv_bytes_per_token / (t.bandwidth_gbps * 1e9) * 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class PeerOffer:
+    """Another pod's resident prefix of the prompt: blocks it holds in HBM or DRAM."""
+
+    pod: str
+    blocks: int
+
+
+def peer_offers(matches: Mapping[str, Mapping[Tier, int]], pods: list[str]) -> dict[str, PeerOffer]:
+    """Per pod, the other pod holding the longest prefix in HBM or DRAM (none where no
+    other pod holds any)."""
+    best = sorted(
+        ((matches.get(p, {}).get(Tier.DRAM, 0), p) for p in pods), key=lambda x: (-x[0], x[1])
+    )[:2]
+    out: dict[str, PeerOffer] = {}
+    for pod in pods:
+        for blocks, other in best:
+            if other != pod:
+                if blocks > 0:
+                    out[pod] = PeerOffer(other, blocks)
+                break
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +132,31 @@ class CostModel:
     params: CostParams
     block_size: int
     kv_bytes_per_token: int
+    shared: SharedStores = field(
+        default_factory=SharedStores
+    )  # the pool's shared stores: remote tier per pod
+    peer_link: LinkCost | None = None  # pods pull KV from each other over this (None: never)
 
     @classmethod
     def of(cls, config: RouterConfig) -> CostModel:
         m = config.model
-        return cls(config.cost, m.block_size, m.kv_bytes_per_token)
+        peer = None if config.peer_pull is None else config.peer_pull.link
+        shared = SharedStores.of(config.shared_stores)
+        return cls(config.cost, m.block_size, m.kv_bytes_per_token, shared, peer)
 
     def predict(
-        self, pod: str, prompt_tokens: int, match: Mapping[Tier, int], load: PodLoad
+        self,
+        pod: str,
+        prompt_tokens: int,
+        match: Mapping[Tier, int],
+        load: PodLoad,
+        peer: PeerOffer | None = None,
     ) -> CostTerms:
         """Cost terms of serving ``prompt_tokens`` on ``pod`` given its resident prefix
-        (``match``: leading blocks held per tier or a faster one)."""
+        (``match``: leading blocks held per tier or a faster one) and, with peer pulls,
+        the longest prefix another pod could send it (``peer``)."""
         params, block_size = self.params, self.block_size
+        tiers = self.shared.tier_costs(pod, params.tiers) if self.shared else params.tiers
         # The engine always computes the last prompt token, so at most n-1 are reusable.
         reusable = max(0, prompt_tokens - 1)
         per_token_ms = 1000.0 / params.prefill_tokens_per_s
@@ -124,7 +174,7 @@ class CostModel:
             extra = upto - covered
             if extra <= 0:
                 continue
-            ms = transfer_ms(extra, tier, params, self.kv_bytes_per_token)
+            ms = _load_ms(extra, tiers.get(tier), self.kv_bytes_per_token)
             transfer += ms
             covered = upto
             loaded, loaded_ms = {**loaded, tier: extra}, {**loaded_ms, tier: ms}
@@ -132,6 +182,20 @@ class CostModel:
             if total < best_total:
                 best_total, best_transfer, best_covered = total, transfer, covered
                 best_loaded, best_loaded_ms = loaded, loaded_ms
+        pulled, pull_ms, source = 0, 0.0, None
+        if peer is not None and self.peer_link is not None:
+            # the peer sends what is not resident here; the rest is recomputed
+            extra = min(peer.blocks * block_size, reusable) - resident
+            if extra > 0:
+                ms = link_ms(extra, self.kv_bytes_per_token, self.peer_link)
+                total = ms + (prompt_tokens - resident - extra) * per_token_ms
+                if total < best_total:
+                    pulled, pull_ms, source = extra, ms, peer.pod
+                    best_transfer, best_covered = ms, resident + extra
+                    best_loaded, best_loaded_ms = {}, {}
+        store = None
+        if Tier.REMOTE in best_loaded and self.shared:
+            store = self.shared.store_of(pod)
         return CostTerms(
             pod=pod,
             queue_ms=queue_ms(load, params),
@@ -140,4 +204,8 @@ class CostModel:
             cached_tokens=best_covered,
             loaded_from=best_loaded,
             loaded_ms=best_loaded_ms,
+            store=store,
+            peer=source,
+            peer_tokens=pulled,
+            peer_ms=pull_ms,
         )

@@ -10,13 +10,14 @@ the cost model's prediction for the chosen pod (router/tiers.py).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Final
 
 from kvplane.router.cost import CostTerms
 from kvplane.router.tiers import TIER_ORDER, Tier
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
+PEER_SOURCE: Final = "peer"  # the tier label of tokens pulled from another pod
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 _TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _TTFT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -152,7 +153,8 @@ class RouterMetrics:
             buckets=_TOKENS,
             registry=r,
         )
-        # KV cache tiers, as the cost model predicts them for the chosen pod
+        # KV cache tiers, as the cost model predicts them for the chosen pod; tier="peer":
+        # pulled from another pod (peer_pull), tier="remote" includes shared stores
         self.tier_hit_tokens = Counter(
             "kvplane_router_tier_hit_tokens",
             "Prompt tokens the chosen pod is predicted to reuse, by the tier that holds them",
@@ -225,7 +227,7 @@ class RouterMetrics:
             self._child(self.predicted_ttft).observe(ttft_ms / 1000.0)
         if terms is None:
             return
-        resident = terms.cached_tokens - sum(terms.loaded_from.values())
+        resident = terms.cached_tokens - sum(terms.loaded_from.values()) - terms.peer_tokens
         if resident > 0:
             self._child(self.tier_hit_tokens, TIER_ORDER[0].value).inc(resident)
         for tier, tokens in terms.loaded_from.items():
@@ -233,6 +235,10 @@ class RouterMetrics:
             self._child(self.tier_hit_tokens, name).inc(tokens)
             self._child(self.tier_loads, name).inc()
             self._child(self.tier_load_seconds, name).observe(terms.loaded_ms.get(tier, 0.0) / 1000)
+        if terms.peer_tokens:  # a peer pull: its own source, beside the tiers
+            self._child(self.tier_hit_tokens, PEER_SOURCE).inc(terms.peer_tokens)
+            self._child(self.tier_loads, PEER_SOURCE).inc()
+            self._child(self.tier_load_seconds, PEER_SOURCE).observe(terms.peer_ms / 1000)
 
 
 def indexer_blocks(registry: CollectorRegistry) -> Counter:

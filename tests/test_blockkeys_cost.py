@@ -6,14 +6,15 @@ from dataclasses import replace
 
 import pytest
 from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
-from kvplane.router.config import Backend, CostParams, TierCost
-from kvplane.router.cost import CostModel, PodLoad
+from kvplane.router.config import Backend, CostParams, LinkCost, SharedStoreSpec, TierCost
+from kvplane.router.cost import CostModel, PeerOffer, PodLoad, peer_offers
 from kvplane.router.engine_stats import EngineStats
 from kvplane.router.generation import generation_tag
 from kvplane.router.policies.cost import CostReason as Reason
 from kvplane.router.policies.cost import choose_by_cost, over_cap
 from kvplane.router.policies.sticky import sticky_order
 from kvplane.router.pool import BackendState
+from kvplane.router.shared import SharedStores
 from kvplane.router.tiers import Tier
 
 ROOT = generation_root("gen-a")
@@ -172,3 +173,46 @@ def test_sticky_order_is_stable_and_minimally_disrupted() -> None:
     for a, first in firsts.items():
         if first != "p2":
             assert sticky_order(a, fewer)[0] == first
+
+
+def test_a_shared_store_loads_at_its_link_for_its_readers_only() -> None:
+    """The remote tier of a store's reader costs the store's link; a pod outside the store
+    keeps the default remote tier."""
+    store = SharedStoreSpec(name="s", pods=["a"], link=TierCost(bandwidth_gbps=100.0))
+    slow = P.model_copy(update={"tiers": {Tier.REMOTE: TierCost(bandwidth_gbps=0.01)}})
+    model = CostModel(slow, 10, 128 * 1024, SharedStores.of([store]))
+    t = model.predict("a", 1000, match(r=100), PodLoad())
+    assert t.loaded_from == {Tier.REMOTE: 999} and t.store == "s"
+    assert t.loaded_ms[Tier.REMOTE] == pytest.approx(999 * 128 * 1024 / 100e9 * 1000)
+    t = model.predict("b", 1000, match(r=100), PodLoad())
+    assert t.loaded_from == {} and t.store is None  # 0.01 GB/s: recompute is faster
+    d = choose_by_cost(
+        model, 1000, {"a": match(r=100), "b": match(r=100)}, {"a": PodLoad(), "b": PodLoad()}
+    )
+    assert d.pod == "a" and d.reason == Reason.SHARED
+
+
+def test_a_peer_pull_is_costed_against_loading_and_recompute() -> None:
+    """Pulling a's prefix into b beats recomputing it; a local tier that is faster
+    still wins; without peer_pull configured nothing is pulled."""
+    link = LinkCost(bandwidth_gbps=40.0, latency_ms=0.2)
+    model = replace(M, peer_link=link)
+    t = model.predict("b", 1000, match(h=10), PodLoad(), PeerOffer("a", 100))
+    assert t.peer == "a" and t.peer_tokens == 899 and t.cached_tokens == 999
+    assert t.peer_ms == pytest.approx(0.2 + 899 * M.kv_bytes_per_token / 40e9 * 1000)
+    assert t.transfer_ms == t.peer_ms and t.recompute_ms == pytest.approx(0.1)
+    fast = replace(
+        model, params=P.model_copy(update={"tiers": {Tier.DRAM: TierCost(bandwidth_gbps=1000.0)}})
+    )
+    t = fast.predict("b", 1000, match(d=100), PodLoad(), PeerOffer("a", 100))
+    assert t.peer is None and t.loaded_from == {Tier.DRAM: 999}
+    assert M.predict("b", 1000, match(), PodLoad(), PeerOffer("a", 100)).peer is None
+    # the policy offers each pod the best other pod's HBM-or-DRAM prefix
+    busy = PodLoad(pending_prefill_tokens=100_000, pending_requests=5, inflight=5)
+    d = choose_by_cost(model, 2000, {"a": match(h=150), "b": match()}, {"a": busy, "b": PodLoad()})
+    assert d.pod == "b" and d.reason == Reason.PEER and d.terms["b"].peer == "a"
+    assert peer_offers({"a": match(d=5), "b": match(h=3), "c": match()}, ["a", "b", "c"]) == {
+        "a": PeerOffer("b", 3),
+        "b": PeerOffer("a", 5),
+        "c": PeerOffer("a", 5),
+    }

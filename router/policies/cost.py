@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from kvplane.router.config import CostParams
-from kvplane.router.cost import CostModel, PodLoad
+from kvplane.router.cost import CostModel, PodLoad, peer_offers
 from kvplane.router.index.base import PrefixMatches
 from kvplane.router.policies.base import BasePolicy, Decision, RoutingInput
 from kvplane.router.policies.registry import register
@@ -24,6 +24,8 @@ class CostReason:
     LOAD = "load_balance"  # no usable residency anywhere: cheapest queue wins
     LOAD_OVER_CACHE = "load_over_cache"  # a pod held more, but its queue cost more
     LOAD_CAP = "load_cap"  # the best-cached pod was over the load cap
+    PEER = "peer_pull"  # the chosen pod pulls the prefix from another pod's HBM or DRAM
+    SHARED = "shared_store"  # the chosen pod loads part of the prompt from a shared store
 
 
 def over_cap(loads: Mapping[str, PodLoad], params: CostParams) -> set[str]:
@@ -43,7 +45,14 @@ def choose_by_cost(
     in flight."""
     params = model.params
     pods = list(loads)
-    terms = {p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p]) for p in pods}
+    if model.peer_link is None:
+        terms = {p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p]) for p in pods}
+    else:
+        offers = peer_offers(matches, pods)
+        terms = {
+            p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p], offers.get(p))
+            for p in pods
+        }
     capped = over_cap(loads, params)
     eligible = [p for p in pods if p not in capped] or pods
     w = params.recompute_weight
@@ -64,7 +73,11 @@ def choose_by_cost(
     best = ranked[0]
     most_cached = max(pods, key=lambda p: (terms[p].cached_tokens, -terms[p].ttft_ms))
     top_cached = terms[most_cached].cached_tokens
-    if terms[best].cached_tokens >= top_cached and top_cached > 0:
+    if terms[best].peer is not None:
+        reason = CostReason.PEER
+    elif terms[best].store is not None:
+        reason = CostReason.SHARED
+    elif terms[best].cached_tokens >= top_cached and top_cached > 0:
         reason = CostReason.CACHE
     elif top_cached == 0:
         reason = CostReason.LOAD
