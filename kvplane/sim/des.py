@@ -35,21 +35,24 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 from kvplane.router.blockkeys import block_keys, generation_root
-from kvplane.router.config import Backend, CostParams, TierCost
+from kvplane.router.config import Backend, CostParams, LinkCost, SharedStoreSpec, TierCost
 from kvplane.router.cost import CostModel
 from kvplane.router.engine_stats import EngineStats as ScrapedStats
 from kvplane.router.index.base import Blocks, ResidencyIndex
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.index.redis import RedisIndex, forget_generation
+from kvplane.router.index.shared import with_shared_stores
 from kvplane.router.kvevents import model as rk
 from kvplane.router.kvevents.ingest import Ingestor
 from kvplane.router.load import Attempt
 from kvplane.router.policies import RoutingInput, labelled, make_policy, route
 from kvplane.router.policies.sticky import index_down
 from kvplane.router.pool import Pool
+from kvplane.router.shared import SharedStores
 from kvplane.router.tiers import Tier
 from kvplane.sim import events as se
-from kvplane.sim.engine import EngineCore, SimRequest, StepOutput
+from kvplane.sim.engine import EngineCore, Fabric, SimRequest, StepOutput
+from kvplane.sim.kvcache import Link, PeerFabric, SharedStore
 from kvplane.sim.profiles import PROFILES, EngineProfile
 from kvplane.workload.results import (
     RequestResult,
@@ -69,6 +72,7 @@ from kvplane.workload.traces import (
 
 ROUTERS: Final[dict[str, str]] = labelled()  # label -> policy name
 GENERATION: Final = "kvplane-des"
+SIM_STORE: Final = "sim-store"  # the shared store's name in the router's config
 DEFAULT_KV_EVENT_DELAY_S: Final = 0.05
 IDLE_RETRY_S: Final = 0.001  # an engine with work that could not schedule anything
 MAX_IDLE_RETRIES: Final = 100_000  # per run: a stuck engine ends the run, not the machine
@@ -126,14 +130,20 @@ def router_events(events: Sequence[se.KVEvent]) -> list[rk.KVEvent]:
                     token_ids=ev.token_ids,
                     block_size=ev.block_size,
                     medium=ev.medium,
+                    locality=ev.locality,
                 )
             )
         elif isinstance(ev, se.BlockRemoved):
             last = out[-1] if out else None
-            if isinstance(last, rk.BlockRemoved) and last.medium == ev.medium:
+            if (
+                isinstance(last, rk.BlockRemoved)
+                and last.medium == ev.medium
+                and last.locality == ev.locality
+            ):
                 last.block_hashes.extend(ev.block_hashes)
             else:
-                out.append(rk.BlockRemoved(block_hashes=list(ev.block_hashes), medium=ev.medium))
+                removed = rk.BlockRemoved(list(ev.block_hashes), ev.medium, locality=ev.locality)
+                out.append(removed)
         else:
             out.append(rk.AllBlocksCleared())
     return out
@@ -190,6 +200,36 @@ class DesOptions:
     # the residency index: in memory (None), or a Redis at this URL, on the same virtual
     # clock (its decisions must equal the memory index's)
     index_url: str | None = None
+    shared_kv: SharedKV | None = None  # a fleet sharing KV (None: every pod on its own)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedKV:
+    """A fleet that shares KV: a store of ``store_blocks`` every engine writes to and
+    loads from (0: none), and peer pulls over ``peer_link`` (None: none). The router is
+    configured as a real one would be: the store is every pod's shared store at its
+    link, peer pulls at theirs."""
+
+    store_blocks: int = 0
+    store_link: Link = field(default_factory=lambda: Link(25.0, 1.0))
+    peer_link: Link | None = None
+
+    def router_side(self) -> tuple[SharedStores, LinkCost | None]:
+        """What the router's config says of this fleet."""
+        stores = SharedStores()
+        if self.store_blocks:
+            link = TierCost(
+                bandwidth_gbps=self.store_link.bandwidth_gbps,
+                latency_ms=self.store_link.latency_ms,
+            )
+            stores = SharedStores.of([SharedStoreSpec(name=SIM_STORE, link=link)])
+        peer = None
+        if self.peer_link is not None:
+            peer = LinkCost(
+                bandwidth_gbps=self.peer_link.bandwidth_gbps,
+                latency_ms=self.peer_link.latency_ms,
+            )
+        return stores, peer
 
 
 class _Sim:
@@ -217,12 +257,15 @@ class _Sim:
         self.opts = opts
         self.progress = progress
         self.cost = opts.cost or cost_params_for(profile)
-        self.model = CostModel(self.cost, self.block_size, profile.kv_bytes_per_token)
+        kv = opts.shared_kv or SharedKV()
+        stores, peer_link = kv.router_side()
+        kvb = profile.kv_bytes_per_token
+        self.model = CostModel(self.cost, self.block_size, kvb, stores, peer_link)
         self.policy = make_policy(ROUTERS[router], self.model)
         self.clock = _Clock()
-        self.index: ResidencyIndex = MemoryIndex(clock=self.clock)
+        self.backend: MemoryIndex | RedisIndex = MemoryIndex(clock=self.clock)
         if opts.index_url is not None:
-            self.index = RedisIndex(
+            self.backend = RedisIndex(
                 opts.index_url,
                 f"{GENERATION}-{uuid.uuid4().hex[:8]}",
                 timeout_s=30.0,
@@ -230,11 +273,26 @@ class _Sim:
                 window_s=self.cost.tentative_ttl_s,
                 mark_keys_ttl_s=24 * 3600.0,  # virtual time may run slower than the wall's
             )
+        self.index: ResidencyIndex = with_shared_stores(self.backend, stores)
         self.ingestor = Ingestor(self.index, generation=GENERATION, block_size=self.block_size)
         self.root = generation_root(GENERATION)
         width = len(str(engines - 1))
         names = [f"e{i:0{width}d}" for i in range(engines)]
-        self.engines = {n: _Engine(n, EngineCore(profile, hash_algo=opts.hash_algo)) for n in names}
+        bs = self.block_size
+        self.store = SharedStore(kv.store_blocks, bs, kv.store_link) if kv.store_blocks else None
+        peers = PeerFabric(kv.peer_link) if kv.peer_link is not None else None
+        shares = self.store is not None or peers is not None
+        self.engines = {
+            n: _Engine(
+                n,
+                EngineCore(
+                    profile,
+                    hash_algo=opts.hash_algo,
+                    fabric=Fabric(n, self.store, peers) if shares else None,
+                ),
+            )
+            for n in names
+        }
         self.pool = Pool()
         self.pool.set_backends([Backend(name=n, url=f"sim://{n}") for n in names])
         self.live: dict[str, _Live] = {}
@@ -358,6 +416,10 @@ class _Sim:
             self._finish(rid, lv, t)
         if out.events and self.uses_index:
             self._push(t + self.opts.kv_event_delay_s, _Delivery(eng.name, out.events))
+        if self.store is not None:  # the store's events, on their writers' streams
+            for writer, events in self.store.take_events().items():
+                if self.uses_index:
+                    self._push(t + self.opts.kv_event_delay_s, _Delivery(writer, events))
         if eng.core.has_work():
             self._start_step(eng, t)
         else:
@@ -421,9 +483,9 @@ class _Sim:
         try:
             return await self.run()
         finally:
-            if isinstance(self.index, RedisIndex):
-                await self.index.close()
-                await forget_generation(self.index.url, self.index.names.generation)
+            if isinstance(self.backend, RedisIndex):
+                await self.backend.close()
+                await forget_generation(self.backend.url, self.backend.names.generation)
 
     async def run(self) -> float:
         """Play every event; returns the virtual time of the last one."""
@@ -515,4 +577,10 @@ def run_des(
     # BlockStored events the router could not key (a parent it no longer knew): index drift
     record.extra["events_stored"] = sim.ingestor.stats.stored
     record.extra["events_unmapped"] = sim.ingestor.stats.unmapped
+    if sim.store is not None:
+        record.extra["shared_store_blocks"] = len(sim.store)
+        record.extra["shared_store_capacity"] = sim.store.capacity
+    if opts.shared_kv is not None:  # tokens the engines loaded from CPU, store or peers
+        stats = [e.core.stats() for e in sim.engines.values()]
+        record.extra["external_hit_tokens"] = sum(st.external_prefix_cache_hits for st in stats)
     return record, results

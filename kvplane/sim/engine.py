@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from kvplane.sim.events import AllBlocksCleared, BlockStored, KVEvent
 from kvplane.sim.hashing import chain, external_hash, hash_function, none_hash
-from kvplane.sim.kvcache import BlockMeta, BlockPool, CpuTier
+from kvplane.sim.kvcache import BlockMeta, BlockPool, CpuTier, PeerFabric, SharedStore
 from kvplane.sim.profiles import EngineProfile
 from kvplane.sim.timing import load_ms, step_ms
 
@@ -51,6 +51,16 @@ class StepOutput:
     first_token: list[str]  # requests whose first output token came out in this step
     finished: dict[str, str]  # request_id -> finish_reason ("length")
     events: list[KVEvent]  # KV events of this step: GPU pool first, then CPU tier
+
+
+@dataclass(frozen=True, slots=True)
+class Fabric:
+    """An engine's place in a fleet that shares KV: its name there, the shared store it
+    writes to and loads from, the peers it pulls from (None: not this fleet's)."""
+
+    name: str
+    store: SharedStore | None = None
+    peers: PeerFabric | None = None
 
 
 @dataclass(slots=True)
@@ -128,7 +138,9 @@ class EngineCore:
         hash_seed: str | None = None,
         output_token_id: int = 0,
         enable_prefix_caching: bool = True,
+        fabric: Fabric | None = None,
     ) -> None:
+        """``fabric``: the fleet's shared store and peer pulls this engine takes part in."""
         self._profile = profile
         self._bs = profile.block_size
         self._hash_fn = hash_function(hash_algo)
@@ -142,6 +154,10 @@ class EngineCore:
         self._pool = BlockPool(
             profile.num_gpu_blocks, enable_caching=enable_prefix_caching, cpu=cpu
         )
+        self._fabric = fabric if enable_prefix_caching else None
+        if self._fabric is not None and self._fabric.peers is not None:
+            self._fabric.peers.join(self._fabric.name, self._pool)
+        self._fabric_ms = 0.0  # this step's loads from the shared store and peers
         self._max_len = min(profile.max_model_len, profile.capacity_tokens)
         self._waiting: deque[_Req] = deque()
         self._running: list[_Req] = []
@@ -180,7 +196,10 @@ class EngineCore:
                 f"prompt ({len(req.prompt_token_ids)} tokens) + max_tokens ({req.max_tokens}) "
                 f"exceeds this engine's maximum sequence length of {self._max_len}"
             )
-        r = _Req(req, keep_tokens=self._cpu is not None)
+        keep = self._cpu is not None or (
+            self._fabric is not None and self._fabric.store is not None
+        )
+        r = _Req(req, keep_tokens=keep)
         self._requests[req.request_id] = r
         self._waiting.append(r)
 
@@ -321,6 +340,8 @@ class EngineCore:
         self._pending_events = []
         events.extend(self._pool.take_events())
         ms = step_ms(self._profile, chunks, decodes) + load_ms(self._profile, load_tokens)
+        ms += self._fabric_ms
+        self._fabric_ms = 0.0
         return StepOutput(ms / 1000.0, new_tokens, first, finished, events)
 
     # ---- scheduling helpers ---------------------------------------------------------
@@ -332,7 +353,8 @@ class EngineCore:
         bs = self._bs
         num_tokens = r.num_tokens
         hits: list[int] = []
-        n_cpu = 0
+        n_cpu = n_far = 0
+        far_ms = 0.0
         if self._caching:
             max_blocks = (num_tokens - 1) // bs  # the last token is always recomputed
             self._ensure_hashes(r, max_blocks)
@@ -345,10 +367,12 @@ class EngineCore:
                 hits.append(b)
             if self._cpu is not None:
                 n_cpu = self._cpu.match(hashes, len(hits), max_blocks)
+            if self._fabric is not None:
+                n_far, far_ms = self._fabric_match(hashes, len(hits) + n_cpu, max_blocks)
         n_hit = len(hits)
         local = n_hit * bs
         loaded = n_cpu * bs
-        computed = local + loaded
+        computed = local + loaded + n_far * bs
         num_new = min(num_tokens - computed, budget)
         end = computed + num_new
         new_blocks = _cdiv(end, bs) - n_hit
@@ -356,19 +380,36 @@ class EngineCore:
             return None
         pool.touch(hits)
         hits.extend(pool.allocate(new_blocks))
+        self._fabric_ms += far_ms
         r.blocks = hits
         r.num_cached_blocks = n_hit
         r.num_computed = computed
         if self._caching and r.preemptions == 0:
             self._queries += num_tokens
             self._hits += local
-            if self._cpu is not None:
+            if self._cpu is not None or self._fabric is not None:
                 self._ext_queries += num_tokens - local
-                self._ext_hits += loaded
+                self._ext_hits += loaded + n_far * bs
         if r.cached_tokens is None:
             r.cached_tokens = computed
         self._cache(r, min(end, num_tokens))
         return num_new, loaded
+
+    def _fabric_match(self, hashes: list[bytes], start: int, end: int) -> tuple[int, float]:
+        """Blocks of ``hashes[start:end]`` loaded from the shared store, then pulled from
+        a peer, as one contiguous run, and their transfer in ms."""
+        fabric = self._fabric
+        assert fabric is not None
+        kvb = self._profile.kv_bytes_per_token
+        n_store = n_peer = 0
+        ms = 0.0
+        if fabric.store is not None:
+            n_store = fabric.store.match(hashes, start, end)
+            ms += fabric.store.link.load_ms(n_store * self._bs, kvb)
+        if fabric.peers is not None:
+            n_peer = fabric.peers.match(fabric.name, hashes, start + n_store, end)
+            ms += fabric.peers.link.load_ms(n_peer * self._bs, kvb)
+        return n_store + n_peer, ms
 
     def _preempt(self, r: _Req) -> None:
         """Recompute preemption: free everything, back to the head of the queue."""
@@ -435,6 +476,7 @@ class EngineCore:
         toks = r.toks
         parent = ext[start - 1] if start else None
         insert = pool.insert
+        written: list[tuple[bytes, BlockMeta]] = []
         if toks is None:
             for k in range(start, n_full):
                 insert(blocks[k], hashes[k], ext[k])
@@ -442,9 +484,14 @@ class EngineCore:
             prev = parent
             for k in range(start, n_full):
                 e = ext[k]
-                insert(blocks[k], hashes[k], e, BlockMeta(e, prev, toks[k]))
+                meta = BlockMeta(e, prev, toks[k])
+                insert(blocks[k], hashes[k], e, meta)
+                written.append((hashes[k], meta))
                 prev = e
         pool.events.append(
             BlockStored(ext[start:n_full], parent, self._tokens(r, start * bs, n_full * bs), bs)
         )
+        fabric = self._fabric
+        if fabric is not None and fabric.store is not None and written:
+            fabric.store.write(fabric.name, written)  # write-through, after the GPU's event
         r.num_cached_blocks = n_full

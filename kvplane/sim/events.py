@@ -10,6 +10,9 @@ from dataclasses import dataclass
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
+# a store outside the pod (vLLM: medium STORAGE, locality REMOTE): the fleet's shared store
+MEDIUM_STORAGE = "STORAGE"
+LOCALITY_REMOTE = "REMOTE"
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,7 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM_GPU
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +35,7 @@ class BlockRemoved:
 
     block_hashes: list[int]
     medium: str = MEDIUM_GPU
+    locality: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,6 +15,10 @@ Mirrors ``vllm/v1/core/block_pool.py``:
 The CPU tier is an LRU of evicted blocks (``BlockStored``/``BlockRemoved`` with medium
 "CPU", self-describing: tokens and parent hash included); a prefix found there is loaded
 back into new GPU blocks instead of being recomputed.
+
+A fleet may share a store (``SharedStore``: Mooncake Store, an LMCache remote server)
+that every engine writes its computed blocks to and loads from, and may let engines pull
+KV from each other (``PeerFabric``: NIXL, LMCache P2P, Mooncake's transfer engine).
 """
 
 from __future__ import annotations
@@ -22,7 +26,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from kvplane.sim.events import MEDIUM_CPU, BlockRemoved, BlockStored, KVEvent
+from kvplane.sim.events import (
+    LOCALITY_REMOTE,
+    MEDIUM_CPU,
+    MEDIUM_STORAGE,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +91,126 @@ class CpuTier:
 
     def usage(self) -> float:
         return len(self.entries) / self.capacity if self.capacity else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A path KV is loaded over into an engine's HBM."""
+
+    bandwidth_gbps: float
+    latency_ms: float = 0.0
+
+    def load_ms(self, tokens: int, kv_bytes_per_token: int) -> float:
+        if tokens <= 0:
+            return 0.0
+        return self.latency_ms + tokens * kv_bytes_per_token / (self.bandwidth_gbps * 1e9) * 1e3
+
+
+class SharedStore:
+    """One store for the whole fleet: an LRU of blocks by hash, ``capacity`` blocks,
+    loaded over ``link`` by every engine. Engines write their blocks as they compute
+    them (write-through, as LMCache and Mooncake Store connectors save KV) and load a
+    prefix they lack from it. Its events are vLLM's for a remote store (medium STORAGE,
+    locality REMOTE); each goes out on the stream of the engine that wrote the block,
+    an eviction included: the store's own model of what it holds, told by its writers.
+    """
+
+    __slots__ = ("block_size", "capacity", "entries", "events", "link")
+
+    def __init__(self, capacity: int, block_size: int, link: Link) -> None:
+        if capacity < 1:
+            raise ValueError("a shared store needs at least one block")
+        self.capacity = capacity
+        self.block_size = block_size
+        self.link = link
+        self.entries: OrderedDict[bytes, tuple[BlockMeta, str]] = OrderedDict()
+        self.events: dict[str, list[KVEvent]] = {}  # writer -> its events, in order
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def write(self, writer: str, blocks: list[tuple[bytes, BlockMeta]]) -> None:
+        """Consecutive blocks of one chain computed by ``writer``: new ones are stored
+        (one ``BlockStored`` per run of new blocks), known ones refreshed."""
+        entries = self.entries
+        run: list[BlockMeta] = []
+        for h, meta in blocks:
+            if h in entries:
+                entries.move_to_end(h)
+                self._announce(writer, run)
+                run = []
+                continue
+            while len(entries) >= self.capacity:
+                old, who = entries.popitem(last=False)[1]
+                if run and old is run[0]:
+                    run = run[1:]  # stored and evicted in one write: never announced
+                    continue
+                self.events.setdefault(who, []).append(
+                    BlockRemoved([old.ext], MEDIUM_STORAGE, LOCALITY_REMOTE)
+                )
+            entries[h] = (meta, writer)
+            run.append(meta)
+        self._announce(writer, run)
+
+    def _announce(self, writer: str, run: list[BlockMeta]) -> None:
+        if not run:
+            return
+        tokens = [t for meta in run for t in meta.tokens]
+        stored = BlockStored(
+            [m.ext for m in run],
+            run[0].parent,
+            tokens,
+            self.block_size,
+            MEDIUM_STORAGE,
+            LOCALITY_REMOTE,
+        )
+        self.events.setdefault(writer, []).append(stored)
+
+    def match(self, hashes: list[bytes], start: int, end: int) -> int:
+        """How many consecutive blocks ``hashes[start:end]`` are here (refreshed tail
+        first, as the CPU tier does)."""
+        entries = self.entries
+        stop = start
+        while stop < end and hashes[stop] in entries:
+            stop += 1
+        for i in range(stop - 1, start - 1, -1):
+            entries.move_to_end(hashes[i])
+        return stop - start
+
+    def take_events(self) -> dict[str, list[KVEvent]]:
+        """Every writer's events since the last call."""
+        events, self.events = self.events, {}
+        return events
+
+    def usage(self) -> float:
+        return len(self.entries) / self.capacity
+
+
+class PeerFabric:
+    """Engines that pull KV from each other's HBM or CPU tier over ``link``."""
+
+    __slots__ = ("link", "pools")
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.pools: dict[str, BlockPool] = {}
+
+    def join(self, name: str, pool: BlockPool) -> None:
+        self.pools[name] = pool
+
+    def match(self, me: str, hashes: list[bytes], start: int, end: int) -> int:
+        """The longest run of ``hashes[start:end]`` one other engine holds in HBM or in
+        its CPU tier (its caches are read, not refreshed)."""
+        best = 0
+        for name, pool in self.pools.items():
+            if name == me:
+                continue
+            cached, cpu = pool.cached, pool.cpu
+            stop = start
+            while stop < end and (hashes[stop] in cached or (cpu and hashes[stop] in cpu)):
+                stop += 1
+            best = max(best, stop - start)
+        return best
 
 
 class BlockPool:

@@ -102,9 +102,15 @@ def to_wire(event: ev.KVEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
             extra_keys=[None] * len(event.block_hashes),
             group_idx=0,
             kv_cache_spec_kind=FULL_ATTENTION,
+            locality=event.locality,
         )
     if isinstance(event, ev.BlockRemoved):
-        return BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium, group_idx=0)
+        return BlockRemoved(
+            block_hashes=list(event.block_hashes),
+            medium=event.medium,
+            group_idx=0,
+            locality=event.locality,
+        )
     return AllBlocksCleared()
 
 
