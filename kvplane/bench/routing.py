@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime as _dt
+import itertools
 import json
 import logging
 import shlex
@@ -26,7 +27,7 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvplane.bench import floor, routing_report
 from kvplane.bench.peers import dynamo, dynamo_mocker
@@ -67,6 +68,9 @@ from kvplane.workload.traces import (
     Workload,
     build_workload,
 )
+
+if TYPE_CHECKING:
+    from kvplane.sim.des import DesOptions
 
 MODEL = "sim-llama-3.1-8b"
 
@@ -329,6 +333,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="memory",
         help="des: kvplane's residency index, in memory or on a local redis-server",
     )
+    p.add_argument(
+        "--fleet-shape",
+        default="",
+        help="des: comma list of where the cache beyond HBM sits: hbm, hbm+dram (per pod), "
+        "hbm+shared (one store of the same total), hbm+shared+peer (and peer pulls)",
+    )
+    p.add_argument(
+        "--dram-tokens",
+        type=int,
+        default=2_048_000,
+        help="des fleet shapes: DRAM per pod in tokens (the shared store holds engines x this)",
+    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -571,14 +587,16 @@ def _des_workload(
         )
         fl = fl or floor.floor_of(wl, args.block_size, model)
         notes = [] if index_url is None else ["index redis"]
-        opts = DesOptions(
+        base = DesOptions(
             oracle=oracle_hit_ratio(wl, args.block_size),
             cost=cost,
             index_url=index_url,
             notes=notes,
         )
-        for router in ours if factor == 1.0 else sweepers:
-            bar = Progress(f"{wname} x{factor:g} {router} (des)", not args.no_progress)
+        for (label, opts), router in itertools.product(
+            _shaped(args, base), ours if factor == 1.0 else sweepers
+        ):
+            bar = Progress(f"{wname} x{factor:g} {router}{label} (des)", not args.no_progress)
             rec, results = run_des(
                 wl,
                 router,
@@ -590,6 +608,7 @@ def _des_workload(
                 options=opts,
             )
             row = rec.to_json()
+            row["router"] += label
             row["load_factor"] = factor
             row["sweep"] = bool(sweep)
             row["prefill_tokens_computed"] = sum(
@@ -597,10 +616,33 @@ def _des_workload(
             )
             row.update(fl.quantiles(), slo_ms=round(fl.slo_ms, 3))
             if args.save_requests:
-                name = f"des-{args.profile}-{wname}-{router}-x{factor:g}"
+                name = f"des-{args.profile}-{wname}-{router}{label}-x{factor:g}"
                 save_results(Path(args.save_requests) / f"{name}.jsonl.xz", results)
             runs.append(_with_quantiles(row, results, factor))
             _print_row(row)
+
+
+def _shaped(args: argparse.Namespace, base: DesOptions) -> list[tuple[str, DesOptions]]:
+    """The run's DES options per ``--fleet-shape`` (``@shape`` labels its rows), or the
+    options as they are when no shape is asked for."""
+    from kvplane.sim.shapes import fleet_shape
+
+    names = csv_list(getattr(args, "fleet_shape", "") or "")
+    if not names:
+        return [("", base)]
+    dram_blocks = args.dram_tokens // args.block_size
+    out: list[tuple[str, DesOptions]] = []
+    for name in names:
+        shape = fleet_shape(name, args.engines, dram_blocks)
+        notes = [*base.notes, f"shape {name}"]
+        opts = replace(
+            base,
+            cpu_offload_blocks=shape.cpu_offload_blocks,
+            shared_kv=shape.shared_kv,
+            notes=notes,
+        )
+        out.append((f"@{name}", opts))
+    return out
 
 
 def _print_row(r: dict[str, Any]) -> None:
@@ -640,6 +682,11 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
             **({"fleet": args.fleet} if args.fleet != "sim" else {}),
             **({"workload shapes": args.shape} if args.shape else {}),
             **({"kvplane cost": args.cost_set} if args.cost_set else {}),
+            **(
+                {"fleet shapes": args.fleet_shape, "dram tokens per pod": args.dram_tokens}
+                if getattr(args, "fleet_shape", "")
+                else {}
+            ),
         },
         "machine": machine_info(),
         "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),

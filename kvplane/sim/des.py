@@ -201,6 +201,7 @@ class DesOptions:
     # clock (its decisions must equal the memory index's)
     index_url: str | None = None
     shared_kv: SharedKV | None = None  # a fleet sharing KV (None: every pod on its own)
+    cpu_offload_blocks: int | None = None  # each pod's DRAM tier (None: the profile's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +214,7 @@ class SharedKV:
     store_blocks: int = 0
     store_link: Link = field(default_factory=lambda: Link(25.0, 1.0))
     peer_link: Link | None = None
+    write_through: bool = False  # engines store blocks as computed, not as HBM evicts them
 
     def router_side(self) -> tuple[SharedStores, LinkCost | None]:
         """What the router's config says of this fleet."""
@@ -288,7 +290,7 @@ class _Sim:
                 EngineCore(
                     profile,
                     hash_algo=opts.hash_algo,
-                    fabric=Fabric(n, self.store, peers) if shares else None,
+                    fabric=Fabric(n, self.store, peers, kv.write_through) if shares else None,
                 ),
             )
             for n in names
@@ -541,6 +543,8 @@ def run_des(
     if opts.scrape_interval_s <= 0:
         raise ValueError("scrape_interval_s must be positive")
     prof = profile_for(profile, block_size)
+    if opts.cpu_offload_blocks is not None:
+        prof = replace(prof, cpu_offload_blocks=opts.cpu_offload_blocks)
     tokens = builder.tokens if builder is not None else synthetic_tokens(seed)
     sim = _Sim(workload, router, engines, prof, tokens, opts, progress)
     end = asyncio.run(sim.run_and_close())

@@ -61,6 +61,7 @@ class Fabric:
     name: str
     store: SharedStore | None = None
     peers: PeerFabric | None = None
+    write_through: bool = False  # store blocks as computed (else as HBM evicts them)
 
 
 @dataclass(slots=True)
@@ -157,6 +158,9 @@ class EngineCore:
         self._fabric = fabric if enable_prefix_caching else None
         if self._fabric is not None and self._fabric.peers is not None:
             self._fabric.peers.join(self._fabric.name, self._pool)
+        shared = self._fabric.store if self._fabric is not None else None
+        if shared is not None and self._fabric is not None and not self._fabric.write_through:
+            self._pool.remote = shared.writer(self._fabric.name)
         self._fabric_ms = 0.0  # this step's loads from the shared store and peers
         self._max_len = min(profile.max_model_len, profile.capacity_tokens)
         self._waiting: deque[_Req] = deque()
@@ -492,6 +496,6 @@ class EngineCore:
             BlockStored(ext[start:n_full], parent, self._tokens(r, start * bs, n_full * bs), bs)
         )
         fabric = self._fabric
-        if fabric is not None and fabric.store is not None and written:
-            fabric.store.write(fabric.name, written)  # write-through, after the GPU's event
+        if fabric is not None and fabric.store is not None and fabric.write_through and written:
+            fabric.store.write(fabric.name, written)  # after the GPU's event
         r.num_cached_blocks = n_full

@@ -108,11 +108,12 @@ class Link:
 
 class SharedStore:
     """One store for the whole fleet: an LRU of blocks by hash, ``capacity`` blocks,
-    loaded over ``link`` by every engine. Engines write their blocks as they compute
-    them (write-through, as LMCache and Mooncake Store connectors save KV) and load a
-    prefix they lack from it. Its events are vLLM's for a remote store (medium STORAGE,
-    locality REMOTE); each goes out on the stream of the engine that wrote the block,
-    an eviction included: the store's own model of what it holds, told by its writers.
+    loaded over ``link`` by every engine. Engines write the blocks their HBM evicts (as
+    to a CPU tier) or, write-through, every block as they compute it (as LMCache and
+    Mooncake Store connectors save KV), and load a prefix they lack from it. Its events
+    are vLLM's for a remote store (medium STORAGE, locality REMOTE); each goes out on
+    the stream of the engine that wrote the block, an eviction included: the store's
+    own model of what it holds, told by its writers.
     """
 
     __slots__ = ("block_size", "capacity", "entries", "events", "link")
@@ -177,6 +178,10 @@ class SharedStore:
             entries.move_to_end(hashes[i])
         return stop - start
 
+    def writer(self, name: str) -> StoreWriter:
+        """What engine ``name``'s block pool offloads its evicted blocks to."""
+        return StoreWriter(self, name)
+
     def take_events(self) -> dict[str, list[KVEvent]]:
         """Every writer's events since the last call."""
         events, self.events = self.events, {}
@@ -184,6 +189,18 @@ class SharedStore:
 
     def usage(self) -> float:
         return len(self.entries) / self.capacity
+
+
+@dataclass(frozen=True, slots=True)
+class StoreWriter:
+    """One engine writing its evicted blocks to a shared store (as it does to its CPU
+    tier)."""
+
+    store: SharedStore
+    name: str
+
+    def offload(self, h: bytes, meta: BlockMeta) -> None:
+        self.store.write(self.name, [(h, meta)])
 
 
 class PeerFabric:
@@ -228,6 +245,7 @@ class BlockPool:
         "meta_of",
         "num_blocks",
         "ref",
+        "remote",
     )
 
     def __init__(
@@ -253,6 +271,7 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         self.dups: dict[bytes, list[int]] = {}
         self.events: list[KVEvent] = []
+        self.remote: StoreWriter | None = None  # a shared store evicted blocks also go to
 
     @property
     def num_free(self) -> int:
@@ -314,11 +333,13 @@ class BlockPool:
                 del self.dups[h]
         self.hash_of[b] = None
         self.events.append(BlockRemoved([self.ext_of[b]]))
-        if self.cpu is not None:
-            meta = self.meta_of[b]
-            self.meta_of[b] = None
-            if meta is not None:
+        meta = self.meta_of[b]
+        self.meta_of[b] = None
+        if meta is not None:
+            if self.cpu is not None:
                 self.cpu.offload(h, meta)
+            if self.remote is not None:
+                self.remote.offload(h, meta)
 
     def insert(self, b: int, h: bytes, ext: int, meta: BlockMeta | None = None) -> None:
         """Make block ``b`` findable by hash ``h`` (event value ``ext``); its KV is

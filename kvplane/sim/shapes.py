@@ -1,0 +1,42 @@
+"""Fleet shapes: one fleet's KV cache beyond HBM held in different places.
+
+``hbm`` has none; ``hbm+dram`` gives each pod its own DRAM tier; ``hbm+shared`` puts
+the same total in one store every pod writes to and loads from; ``hbm+shared+peer``
+also lets pods pull a prefix from each other's HBM or DRAM. The links are the router's
+defaults for them: the remote tier's (``router/tiers.py``) for the store, the P/D
+same-zone link (``router/config.py``) for peer pulls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from kvplane.sim.des import SharedKV
+from kvplane.sim.kvcache import Link
+
+FLEET_SHAPES: Final = ("hbm", "hbm+dram", "hbm+shared", "hbm+shared+peer")
+STORE_LINK: Final = Link(bandwidth_gbps=25.0, latency_ms=1.0)
+PEER_LINK: Final = Link(bandwidth_gbps=40.0, latency_ms=0.2)
+
+
+@dataclass(frozen=True, slots=True)
+class FleetShape:
+    name: str
+    cpu_offload_blocks: int  # each pod's own DRAM tier
+    shared_kv: SharedKV | None  # the store and peer pulls
+
+
+def fleet_shape(name: str, engines: int, dram_blocks: int) -> FleetShape:
+    """The shape ``name`` of ``engines`` pods with ``dram_blocks`` of DRAM each (or
+    their total in the shared store)."""
+    store = engines * dram_blocks
+    if name == "hbm":
+        return FleetShape(name, 0, None)
+    if name == "hbm+dram":
+        return FleetShape(name, dram_blocks, None)
+    if name == "hbm+shared":
+        return FleetShape(name, 0, SharedKV(store, STORE_LINK))
+    if name == "hbm+shared+peer":
+        return FleetShape(name, 0, SharedKV(store, STORE_LINK, PEER_LINK))
+    raise ValueError(f"unknown fleet shape {name!r} (known: {', '.join(FLEET_SHAPES)})")
