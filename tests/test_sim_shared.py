@@ -1,0 +1,170 @@
+"""The simulator's shared KV: a store every engine writes to and loads from, and peer
+pulls, with the events a real deployment publishes and the router configured for them."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import pytest
+from kvplane.router.tiers import Tier, tier_of_medium
+
+from kvplane.local import redis as local_redis
+from kvplane.sim import des
+from kvplane.sim.engine import EngineCore, Fabric, SimRequest
+from kvplane.sim.events import BlockRemoved, BlockStored, KVEvent
+from kvplane.sim.kvcache import BlockMeta, Link, PeerFabric, SharedStore
+from kvplane.sim.profiles import PROFILES, EngineProfile
+from kvplane.sim.shapes import FLEET_SHAPES, fleet_shape
+from kvplane.workload import traces as workloads
+
+MAX_STEPS = 10_000
+
+
+def small(num_gpu_blocks: int = 64, block_size: int = 4) -> EngineProfile:
+    return dataclasses.replace(
+        PROFILES["cpu-tiny"],
+        num_gpu_blocks=num_gpu_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+        cpu_offload_blocks=0,
+    )
+
+
+def serve(engine: EngineCore, rid: str, prompt: Sequence[int]) -> int | None:
+    """One request to the end (bounded); the prompt tokens it found cached."""
+    engine.add_request(SimRequest(rid, list(prompt), max_tokens=1))
+    for _ in range(MAX_STEPS):
+        if not engine.has_work():
+            return engine.cached_tokens(rid)
+        engine.step()
+    raise AssertionError("the engine never went idle")
+
+
+def meta(i: int) -> tuple[bytes, BlockMeta]:
+    return bytes([i]), BlockMeta(i, i - 1 if i else None, (i, i))
+
+
+def test_the_store_announces_runs_and_tells_evictions_on_the_writers_stream() -> None:
+    store = SharedStore(3, 2, Link(10.0))
+    store.write("a", [meta(0), meta(1)])
+    store.write("b", [meta(1), meta(2), meta(3)])  # 1 is known: refreshed, not stored again
+    events = store.take_events()
+    remote = ("STORAGE", "REMOTE")
+    assert events["a"] == [
+        BlockStored([0, 1], None, [0, 0, 1, 1], 2, *remote),
+        BlockRemoved([0], *remote),  # evicted by b's write, told by its writer
+    ]
+    assert events["b"] == [BlockStored([2, 3], 1, [2, 2, 3, 3], 2, *remote)]
+    assert tier_of_medium(*remote) is Tier.REMOTE
+    assert store.match([bytes([1]), bytes([2]), bytes([9])], 0, 3) == 2
+    assert store.take_events() == {}
+
+
+def test_a_block_stored_and_evicted_in_one_write_is_never_announced() -> None:
+    store = SharedStore(1, 2, Link(10.0))
+    store.write("a", [meta(0), meta(1)])
+    assert store.take_events() == {"a": [BlockStored([1], 0, [1, 1], 2, "STORAGE", "REMOTE")]}
+
+
+def test_an_engine_loads_what_another_evicted_into_the_store() -> None:
+    """e0's HBM holds 8 blocks: a second prompt evicts the first one's blocks into the
+    store, where e1 finds them (at the store's link, in its step time)."""
+    store = SharedStore(64, 4, Link(1.0, latency_ms=50.0))
+    e0 = EngineCore(small(num_gpu_blocks=9), fabric=Fabric("e0", store))
+    e1 = EngineCore(small(), fabric=Fabric("e1", store))
+    first, second = list(range(1, 30)), list(range(100, 129))
+    assert serve(e0, "a", first) == 0
+    assert serve(e0, "b", second) == 0
+    assert len(store) >= 7
+    e1.add_request(SimRequest("c", first, max_tokens=1))
+    out = e1.step()
+    assert e1.cached_tokens("c") == 28  # the last token is always computed
+    assert out.duration_s > 0.05  # the store's latency is in the step
+    stats = e1.stats()
+    assert stats.external_prefix_cache_hits == 28 and stats.prefix_cache_hits == 0
+    stored: list[KVEvent] = store.take_events()["e0"]
+    assert {type(e) for e in stored} == {BlockStored}
+
+
+def test_write_through_stores_blocks_as_they_are_computed() -> None:
+    store = SharedStore(64, 4, Link(10.0))
+    e0 = EngineCore(small(), fabric=Fabric("e0", store, write_through=True))
+    serve(e0, "a", list(range(1, 30)))
+    assert len(store) == 7  # every full block, with no eviction from HBM
+    e1 = EngineCore(small(), fabric=Fabric("e1", store, write_through=True))
+    assert serve(e1, "b", list(range(1, 30))) == 28
+
+
+def test_an_engine_pulls_a_prefix_from_a_peers_hbm() -> None:
+    peers = PeerFabric(Link(10.0))
+    e0 = EngineCore(small(), fabric=Fabric("e0", peers=peers))
+    e1 = EngineCore(small(), fabric=Fabric("e1", peers=peers))
+    prompt = list(range(1, 30))
+    serve(e0, "a", prompt)
+    assert serve(e1, "b", [*prompt[:20], 7, 7, 7]) == 20
+    assert serve(e1, "c", list(range(200, 230))) == 0  # nobody holds it
+
+
+def test_fleet_shapes_hold_the_same_cache_beyond_hbm() -> None:
+    shapes = {name: fleet_shape(name, 8, 1000) for name in FLEET_SHAPES}
+    assert shapes["hbm"].cpu_offload_blocks == 0 and shapes["hbm"].shared_kv is None
+    assert shapes["hbm+dram"].cpu_offload_blocks == 1000
+    shared = shapes["hbm+shared"].shared_kv
+    assert shared is not None and shared.store_blocks == 8000 and shared.peer_link is None
+    peer = shapes["hbm+shared+peer"].shared_kv
+    assert peer is not None and peer.peer_link is not None
+    with pytest.raises(ValueError, match="unknown fleet shape"):
+        fleet_shape("hbm+nvme", 8, 1000)
+
+
+def _small_hbm(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The 8B pod with HBM for 32K tokens: conversations outgrow it at once."""
+    prof = dataclasses.replace(PROFILES["h100-llama-3.1-8b"], name="tiny-hbm", num_gpu_blocks=2000)
+    monkeypatch.setitem(PROFILES, "tiny-hbm", prof)
+    return "tiny-hbm"
+
+
+def chats() -> workloads.Workload:
+    return workloads.multi_round_qa(users=12, rounds=4, history_len=4000, qps=4.0)
+
+
+def test_des_routes_on_the_shared_store_and_keys_every_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pods with a small HBM and one store: the router indexes the store's blocks for
+    every pod (its events, from the writers' streams, all keyed) and routes on them;
+    the fleet then reuses what HBM alone loses. With peer pulls some requests pull."""
+    profile = _small_hbm(monkeypatch)
+    wl = chats()
+    alone = des.run_des(wl, "kvplane", engines=3, profile=profile, block_size=64)[0]
+    for name in ("hbm+shared", "hbm+shared+peer"):
+        shape = fleet_shape(name, 3, 2000)
+        opts = des.DesOptions(cpu_offload_blocks=0, shared_kv=shape.shared_kv)
+        rec, results = des.run_des(
+            wl, "kvplane", engines=3, profile=profile, block_size=64, options=opts
+        )
+        assert rec.errors == 0 and len(results) == len(wl.requests)
+        assert rec.extra["events_unmapped"] == 0
+        assert rec.hit_ratio > 2 * alone.hit_ratio, (name, rec.hit_ratio, alone.hit_ratio)
+        reason = "shared_store" if name == "hbm+shared" else "peer_pull"
+        assert rec.extra["decisions"].get(reason, 0) > 0, rec.extra["decisions"]
+        if name == "hbm+shared":  # (with peers, conversations stay where they are)
+            assert rec.extra["shared_store_blocks"] > 0
+
+
+def test_the_redis_index_decides_as_the_memory_index_with_a_shared_store(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    profile = _small_hbm(monkeypatch)
+    wl = chats()
+    shared = fleet_shape("hbm+shared", 2, 2000).shared_kv
+    opts = des.DesOptions(cpu_offload_blocks=0, shared_kv=shared)
+    ref = des.run_des(wl, "kvplane", engines=2, profile=profile, block_size=64, options=opts)
+    with local_redis.running() as server:
+        opts = dataclasses.replace(opts, index_url=server.url)
+        got = des.run_des(wl, "kvplane", engines=2, profile=profile, block_size=64, options=opts)
+    assert got[1] == ref[1]
+    assert got[0].extra["decisions"] == ref[0].extra["decisions"]
+    assert ref[0].extra["decisions"].get("shared_store", 0) > 0
