@@ -15,6 +15,7 @@ from kvplane.router.policies.cost import choose_by_cost, over_cap
 from kvplane.router.policies.sticky import sticky_order
 from kvplane.router.pool import BackendState
 from kvplane.router.shared import SharedStores
+from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
 
 ROOT = generation_root("gen-a")
@@ -216,3 +217,21 @@ def test_a_peer_pull_is_costed_against_loading_and_recompute() -> None:
         "b": PeerOffer("a", 5),
         "c": PeerOffer("a", 5),
     }
+
+
+def test_the_tier_metrics_count_a_peer_pull_as_its_own_source() -> None:
+    model = replace(M, peer_link=LinkCost(bandwidth_gbps=40.0, latency_ms=0.2))
+    terms = model.predict("b", 1000, match(h=10), PodLoad(), PeerOffer("a", 100))
+    metrics = RouterMetrics("p", "m")
+    metrics.chose(terms, None)
+
+    def value(name: str, tier: str) -> float | None:
+        labels = {"pool": "p", "model": "m", "tier": tier}
+        return metrics.registry.get_sample_value(name, labels)
+
+    assert value("kvplane_router_tier_hit_tokens_total", "peer") == 899
+    assert value("kvplane_router_tier_hit_tokens_total", "hbm") == 100
+    assert value("kvplane_router_tier_loads_total", "peer") == 1
+    assert value("kvplane_router_tier_load_seconds_sum", "peer") == pytest.approx(
+        terms.peer_ms / 1000
+    )
