@@ -245,6 +245,11 @@ class SharedStoreSpec(_Strict):
         description="loading from the store into a reader's HBM (the remote tier's cost "
         "for its readers)",
     )
+    pod_links: dict[str, TierCost] = Field(
+        default_factory=dict,
+        description="readers whose path to the store differs from `link` (a pod on the "
+        "store's node, or across a slower network), by backend name",
+    )
 
 
 class PeerPullSpec(_Strict):

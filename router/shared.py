@@ -66,12 +66,14 @@ class SharedStores:
         return out
 
     def tier_costs(self, pod: str, tiers: Mapping[Tier, TierCost]) -> Mapping[Tier, TierCost]:
-        """The tier costs a pod loads at: the remote tier at its stores' link (the
-        slowest when it reads several, never credited faster than it may be)."""
+        """The tier costs a pod loads at: the remote tier at its link to its store (its
+        ``pod_links`` entry, else the store's ``link``; the slowest when it reads
+        several, never credited faster than it may be)."""
         stores = self.stores_of(pod)
         if not stores:
             return tiers
-        link = min((s.link for s in stores), key=lambda c: c.bandwidth_gbps)
+        links = (s.pod_links.get(pod, s.link) for s in stores)
+        link = min(links, key=lambda c: c.bandwidth_gbps)
         return {**tiers, Tier.REMOTE: link}
 
     def store_of(self, pod: str) -> str | None:

@@ -187,6 +187,13 @@ def test_a_shared_store_loads_at_its_link_for_its_readers_only() -> None:
     assert t.loaded_ms[Tier.REMOTE] == pytest.approx(999 * 128 * 1024 / 100e9 * 1000)
     t = model.predict("b", 1000, match(r=100), PodLoad())
     assert t.loaded_from == {} and t.store is None  # 0.01 GB/s: recompute is faster
+    far = store.model_copy(
+        update={"pods": ["a", "c"], "pod_links": {"c": TierCost(bandwidth_gbps=10.0)}}
+    )
+    remote = CostModel(slow, 10, 128 * 1024, SharedStores.of([far])).predict(
+        "c", 1000, match(r=100), PodLoad()
+    )
+    assert remote.loaded_ms[Tier.REMOTE] == pytest.approx(999 * 128 * 1024 / 10e9 * 1000)
     d = choose_by_cost(
         model, 1000, {"a": match(r=100), "b": match(r=100)}, {"a": PodLoad(), "b": PodLoad()}
     )
