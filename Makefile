@@ -28,7 +28,7 @@ setup-dynamo:
 # adapter (dashboards and autoscaling), Jaeger (tracing), the real mooncake_master
 # SGLang's and LMCache's own config parsers, over the vLLM venv (the render tests)
 setup-parsers: setup-vllm
-	@bash scripts/setup-engine-parsers.sh >/dev/null 2>&1
+	@bash scripts/setup-engine-parsers.sh >/dev/null
 
 setup-tools:
 	@bash scripts/setup-apt.sh
