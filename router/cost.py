@@ -153,9 +153,8 @@ class CostModel:
     params: CostParams
     block_size: int
     kv_bytes_per_token: int
-    shared: SharedStores = field(
-        default_factory=SharedStores
-    )  # the pool's shared stores: remote tier per pod
+    # the pool's shared stores: each reader's remote tier is its store, at its link
+    shared: SharedStores = field(default_factory=SharedStores)
     peer_link: LinkCost | None = None  # pods pull KV from each other over this (None: never)
 
     @classmethod
