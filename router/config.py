@@ -268,6 +268,12 @@ class SharedStoreSpec(_Strict):
         description="readers whose path to the store differs from `link` (a pod on the "
         "store's node, or across a slower network), by backend name",
     )
+    capacity_blocks: Annotated[int, Field(gt=0)] | None = Field(
+        default=None,
+        description="for a store that publishes no evictions: its size in blocks; the "
+        "index then drops the least recently written blocks beyond it (each indexer "
+        "models the blocks it wrote); absent: blocks leave with the store's events only",
+    )
 
 
 class PeerPullSpec(_Strict):
