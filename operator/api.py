@@ -451,7 +451,8 @@ class TierBackend(StrEnum):
 
 class Eviction(StrEnum):
     LRU = "lru"
-    ARC = "arc"
+    ARC = "arc"  # recency and frequency: vLLM's OffloadingConnector
+    LFU = "lfu"  # frequency: LMCache's cache_policy for its local tiers
 
 
 class Compression(StrEnum):
@@ -492,9 +493,12 @@ class KVCacheTierSpec(Model):
             "s3 tiers need a region (LMCache's S3 connector requires s3_region)",
         ),
         cel(
-            "self.evictionPolicy == 'lru' || (self.tier == 'dram' && self.backend == 'native')",
-            "evictionPolicy arc is honoured only by vLLM's native CPU offload (dram, native): "
-            "LMCache, the remote stores and the engines' own pools evict by their own policy",
+            "self.evictionPolicy == 'lru'"
+            " || (self.evictionPolicy == 'arc' && self.tier == 'dram' && self.backend == 'native')"
+            " || (self.evictionPolicy == 'lfu' && self.backend == 'lmcache')",
+            "evictionPolicy arc is honoured only by vLLM's native CPU offload (dram, native) "
+            "and lfu only by LMCache's local tiers (backend lmcache): the remote stores and "
+            "the engines' own pools evict by their own policy",
         ),
         cel(
             "self.compression == 'none' || self.tier == 'remote'",
