@@ -225,7 +225,7 @@ async def test_adapter_blocks_key_in_the_adapters_namespace(
     engine hashes, the adapter's name as every block's extra key): they are indexed
     under the adapter's root, never credited to the base model or another adapter."""
     lora_eh = engine_hashes(TOKENS, seed=b"engine+ada")
-    name = [["ada"]] * 2
+    name: list[object] = [["ada"]] * 2
     first = BlockStored(lora_eh[:2], None, TOKENS[: 2 * BS], BS, "GPU", "ada", extra_keys=name)
     rest = BlockStored(lora_eh[2:4], lora_eh[1], TOKENS[2 * BS : 4 * BS], BS, "GPU", "ada",
                        extra_keys=name)  # fmt: skip

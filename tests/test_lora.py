@@ -16,14 +16,21 @@ ROOT = generation_root("gen-a")
 
 # vLLM 0.32's page (running with --enable-lora --max-loras 2): one series per label set
 # it has ever set, each valued at the time it was set; the newest is the state now.
-LORA_PAGE = """\
-# HELP vllm:lora_requests_info Running stats on lora requests.
-# TYPE vllm:lora_requests_info gauge
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="ada",waiting_lora_adapters="ada"} 1.7955949219974878e+09
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7955949221068447e+09
-vllm:lora_requests_info{max_lora="2",running_lora_adapters="ada,bob",waiting_lora_adapters="cy"} 1.7955949220e+09
-vllm:num_requests_running{engine="0",model_name="tiny"} 1.0
-"""
+LORA = "vllm:lora_requests_info"
+LORA_PAGE = "\n".join(
+    [
+        f"# HELP {LORA} Running stats on lora requests.",
+        f"# TYPE {LORA} gauge",
+        f'{LORA}{{max_lora="2",running_lora_adapters="ada",waiting_lora_adapters="ada"}} '
+        "1.7955949219974878e+09",
+        f'{LORA}{{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}} '
+        "1.7955949221068447e+09",
+        f'{LORA}{{max_lora="2",running_lora_adapters="ada,bob",waiting_lora_adapters="cy"}} '
+        "1.7955949220e+09",
+        'vllm:num_requests_running{engine="0",model_name="tiny"} 1.0',
+        "",
+    ]
+)
 
 
 def test_adapters_and_the_base_model_never_share_keys() -> None:
