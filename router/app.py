@@ -512,6 +512,7 @@ def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
                 transfer_ms=t.transfer_ms,
                 recompute_ms=t.recompute_ms,
                 ttft_ms=t.ttft_ms,
+                adapter_ms=t.adapter_ms,
                 cached_tokens=t.cached_tokens,
                 loaded_tokens={k.value: v for k, v in t.loaded_from.items()},
             )
