@@ -103,7 +103,7 @@ def test_adapter_blocks_are_keyed_apart_from_the_base_models(
     lora_router: RunningRouter, lora_engine: VllmEngine
 ) -> None:
     client = openai.OpenAI(base_url=f"{lora_router.url}/v1", api_key="x", max_retries=0)
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.connect(lora_engine.events_endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -111,8 +111,8 @@ def test_adapter_blocks_are_keyed_apart_from_the_base_models(
         # the router lists the adapter as vLLM does: its base model is the parent
         models = {m.id: m for m in client.models.list().data}
         assert set(models) == {"tiny", ADAPTER}
-        assert models[ADAPTER].model_extra is not None
-        assert models[ADAPTER].model_extra["parent"] == "tiny"
+        extra = models[ADAPTER].model_extra
+        assert extra is not None and extra["parent"] == "tiny"
 
         # an adapter request: its events carry the adapter, its keys are found
         text = prompt_of(3)
