@@ -21,15 +21,16 @@ import pytest
 import redis
 import zmq
 from kvplane.router.config import RouterConfig
-from kvplane.router.engine_stats import parse_metrics
+from kvplane.router.engine_stats import LoraState, parse_metrics
 from kvplane.router.kvevents.decode import decode_message
 from kvplane.router.kvevents.model import BlockStored
 from support.redis_server import RedisServer
 from support.router_server import RunningRouter, serve_router, wait_resident
-from support.vllm_fixtures import EngineFactory
 
 from kvplane.local.tiny_lora import write_tiny_lora
-from kvplane.local.vllm_engines import BLOCK_SIZE, VllmEngine
+from kvplane.local.vllm_engines import BLOCK_SIZE, VllmEngine, start_engines, stop_engines
+from kvplane.sim.fleet import FleetConfig, running_fleet
+from kvplane.sim.hashing import DEFAULT_NONE_HASH_SEED
 
 pytestmark = pytest.mark.vllm
 
@@ -41,11 +42,19 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory, vllm_venv: Path) -> Pa
     return write_tiny_lora(tmp_path_factory.mktemp("lora") / ADAPTER)
 
 
-@pytest.fixture
-def lora_engine(vllm_engine_factory: EngineFactory, adapter_dir: Path) -> VllmEngine:
+@pytest.fixture(scope="module")
+def lora_engine(
+    tiny_model: Path, adapter_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[VllmEngine]:
+    """One engine serving the adapter (its tests use prompts of their own)."""
     lora_flags = ["--enable-lora", "--lora-modules", f"{ADAPTER}={adapter_dir}"]
     lora_flags += ["--max-loras", "1", "--max-lora-rank", "8"]
-    return vllm_engine_factory(["l0"], extra_args=lora_flags)[0]
+    logs = tmp_path_factory.mktemp("vllm-logs-lora")
+    engines = start_engines(["l0"], model_dir=tiny_model, log_dir=logs, extra_args=lora_flags)
+    try:
+        yield engines[0]
+    finally:
+        stop_engines(engines)
 
 
 @pytest.fixture
@@ -85,6 +94,23 @@ def prompt_of(blocks: int) -> str:
     return f"[{uuid.uuid4().hex}] " + " ".join(f"w{i}" for i in range(blocks * BLOCK_SIZE))
 
 
+def subscriber(endpoint: str) -> zmq.Socket[bytes]:
+    """A SUB socket to every topic, returned once its handshake with the publisher is
+    done (its subscription goes out right after): a SUB misses what is sent before."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        sub.connect(endpoint)
+        assert monitor.poll(30_000), f"no handshake with {endpoint} in 30 s"
+        monitor.recv_multipart()
+    finally:
+        sub.disable_monitor()
+        monitor.close(linger=0)
+    return sub
+
+
 def stored_events(sub: zmq.Socket[bytes], want_lora: str | None) -> list[BlockStored]:
     """BlockStored events read until one of ``want_lora`` arrives (bounded)."""
     got: list[BlockStored] = []
@@ -103,10 +129,7 @@ def test_adapter_blocks_are_keyed_apart_from_the_base_models(
     lora_router: RunningRouter, lora_engine: VllmEngine
 ) -> None:
     client = openai.OpenAI(base_url=f"{lora_router.url}/v1", api_key="x", max_retries=0)
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.connect(lora_engine.events_endpoint)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub = subscriber(lora_engine.events_endpoint)
     try:
         # the router lists the adapter as vLLM does: its base model is the parent
         models = {m.id: m for m in client.models.list().data}
@@ -155,3 +178,55 @@ def test_adapter_blocks_are_keyed_apart_from_the_base_models(
         time.sleep(0.1)
     assert router.pool.states["l0"].stats.lora is not None
     assert held(lora_router, base)[1] == 0.0  # the base model never pays an adapter load
+
+
+def adapter_hashes(url: str, events_endpoint: str, model: str, text: str) -> list[int]:
+    """Block hashes an engine announces for ``text`` sent as ``model``."""
+    sub = subscriber(events_endpoint)
+    try:
+        body = {"model": model, "prompt": text, "max_tokens": 1}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
+        lora = None if model == "tiny" else model
+        events = stored_events(sub, lora)
+    finally:
+        sub.close(linger=0)
+    return [h for e in events if e.lora_name == lora for h in e.block_hashes]
+
+
+def test_the_simulator_serves_adapters_as_vllm_does(
+    lora_engine: VllmEngine, adapter_dir: Path, tiny_model: Path
+) -> None:
+    """Same adapter (name and path), same prompt: the simulator announces the same
+    block hashes as vLLM, keeps them apart from the base model's, lists the adapter and
+    reports vllm:lora_requests_info as vLLM does."""
+    cfg = FleetConfig(
+        tokenizer=str(tiny_model),
+        engines=1,
+        model="tiny",
+        profile="cpu-tiny",
+        hash_seed=DEFAULT_NONE_HASH_SEED,  # the engines run without PYTHONHASHSEED
+        lora_modules=[f"{ADAPTER}={adapter_dir}"],
+        max_loras=1,
+    )
+    text = prompt_of(2)
+    with running_fleet(cfg) as fleet:
+        sim = fleet.engines[0]
+        assert sim.events_endpoint is not None
+        real = adapter_hashes(lora_engine.url, lora_engine.events_endpoint, ADAPTER, text)
+        mine = adapter_hashes(sim.url, sim.events_endpoint, ADAPTER, text)
+        assert len(real) >= 2 and mine == real
+        base = adapter_hashes(sim.url, sim.events_endpoint, "tiny", text)
+        assert len(base) == len(mine) and not set(base) & set(mine)
+
+        def cards(url: str) -> dict[str, tuple[object, object]]:
+            data = httpx.get(f"{url}/v1/models").json()["data"]
+            return {m["id"]: (m["root"], m["parent"]) for m in data if m["id"] == ADAPTER}
+
+        assert cards(sim.url) == cards(lora_engine.url) == {ADAPTER: (str(adapter_dir), "tiny")}
+        page = httpx.get(f"{sim.url}/metrics").text
+        assert parse_metrics(page).lora == LoraState(frozenset(), frozenset(), 1)
+        real_page = httpx.get(f"{lora_engine.url}/metrics").text
+        real_lines = [x for x in real_page.splitlines() if "lora_requests_info" in x]
+        mine_lines = [x for x in page.splitlines() if "lora_requests_info" in x]
+        assert mine_lines[:2] == real_lines[:2]  # HELP and TYPE
+        assert {x.split("{")[1].split("}")[0].count("=") for x in mine_lines[2:]} == {3}
