@@ -304,7 +304,10 @@ SCENARIOS += [
     Scenario("vllm-lora", {"model": LORA}, {"main": _pool(replicas=2)}),
     Scenario(
         "sglang-lora",
-        {"model": LORA, "engine": {"kind": "sglang", "image": "lmsysorg/sglang:v0.5.23"}},
+        {
+            "model": LORA,
+            "engine": {"kind": "sglang", "image": "lmsysorg/sglang:v0.5.23", "blockSize": 64},
+        },
         {"main": _pool(replicas=1)},
     ),
 ]

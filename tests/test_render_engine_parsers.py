@@ -60,7 +60,8 @@ for name, argv in cases["sglang"].items():
     for key in ("page_size", "tp_size", "served_model_name", "revision", "enable_metrics",
                 "enable_cache_report", "enable_hierarchical_cache", "hicache_storage_backend",
                 "hicache_storage_backend_extra_config", "disaggregation_mode",
-                "disaggregation_transfer_backend", "port"):
+                "disaggregation_transfer_backend", "port", "enable_lora", "lora_paths",
+                "max_loras_per_batch"):
         result[key] = getattr(args, key)
     results["sglang"][name] = result
 
@@ -228,3 +229,14 @@ def test_lmcache_s3_connector_accepts_the_rendered_region(parsed: Any) -> None:
     assert results["s3/with-region"]["extra_config"] == {"s3_region": "eu-west-1"}
     assert results["s3/with-region"]["s3"].startswith("accepted")
     assert results["control/s3-without-region"]["s3"] == "refused: s3_region is required"
+
+
+def test_sglang_lora_adapters_are_its_lora_paths(parsed: Any) -> None:
+    """The CRD's adapters come out as SGLang's lora_paths (name and path), LoRA enabled,
+    with the pool's maxLoras as max_loras_per_batch; without adapters LoRA stays off."""
+    lora = parsed["sglang"]["sglang-lora/llama-decode-main"]
+    assert lora["enable_lora"] is True and lora["max_loras_per_batch"] == 2
+    # kept as given; SGLang's LoRA hook splits each at its first "=" into name and path
+    assert lora["lora_paths"] == ["sql-lora=/adapters/sql", "chat-lora=org/chat-lora"]
+    plain = parsed["sglang"]["sglang-aggregated/llama-decode-main"]
+    assert not plain["enable_lora"] and not plain["lora_paths"]
