@@ -610,3 +610,16 @@ def test_lora_blocks_hash_apart_and_max_loras_bounds_the_batch() -> None:
     assert by_lora["a"].block_hashes == want and not set(want) & set(base)
     run(core)
     assert core.stats().running_loras == {} and core.stats().waiting_loras == {}
+
+
+def test_offloaded_adapter_blocks_keep_their_adapter() -> None:
+    """An adapter's block offloaded to the CPU tier is announced there with its adapter,
+    so an index never takes it for the base model's."""
+    a = LoraRequest("a", 1, "/adapters/a")
+    core = EngineCore(small(num_gpu_blocks=5, cpu_blocks=16), lora=LoraConfig((a,)))
+    core.add_request(SimRequest("r1", list(range(100, 112)), 1, lora=a))
+    run(core)
+    core.add_request(SimRequest("r2", list(range(300, 312)), 1))  # evicts r1's blocks
+    events = [e for out in run(core) for e in out.events]
+    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert cpu and all(e.lora_name == "a" and e.lora_id == 1 for e in cpu)

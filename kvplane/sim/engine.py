@@ -496,9 +496,10 @@ class EngineCore:
                 insert(blocks[k], hashes[k], ext[k])
         else:
             prev = parent
+            lora_id, lora_name = (None, None) if r.lora is None else (r.lora.lora_id, r.lora.name)
             for k in range(start, n_full):
                 e = ext[k]
-                insert(blocks[k], hashes[k], e, BlockMeta(e, prev, toks[k]))
+                insert(blocks[k], hashes[k], e, BlockMeta(e, prev, toks[k], lora_id, lora_name))
                 prev = e
         adapter = r.lora
         pool.events.append(
