@@ -197,6 +197,16 @@ class RouterCost(Model):
     running_step_ms_per_request: Annotated[float, Field(ge=0)] = _router_default(
         "running_step_ms_per_request"
     )
+    prefill_attention_ms_per_mpair: Annotated[float, Field(ge=0)] = Field(
+        default=_router_default("prefill_attention_ms_per_mpair"),
+        description="prefill attention, ms per million (new x context) token pairs: "
+        "(1000 / prefillTokensPerS) x 2 x layers x hidden / parameters for the model",
+    )
+    tail_guard: Annotated[float, Field(ge=1)] | None = Field(
+        default=None,
+        description="bound on what reuse may cost a request's own TTFT while a pod is "
+        "idle (off when unset; 2 suits pools with a DRAM tier, docs/router.md)",
+    )
     load_cap: Annotated[float, Field(ge=1)] = _router_default("load_cap")
     tentative_ttl_s: Annotated[float, Field(gt=0)] = _router_default("tentative_ttl_s")
 

@@ -595,6 +595,21 @@ def test_tokenizer_fetch_copies_a_local_tokenizer(tmp_path: Path) -> None:
     assert result.returncode != 0 and b"no tokenizer files" in result.stderr
 
 
+def test_router_cost_calibration_renders_into_the_router_config() -> None:
+    scenario = BY_NAME["vllm-aggregated"]
+    config = router_config(POOL, NAMESPACE, scenario.spec(), [], "g")
+    assert "tail_guard" not in config["cost"]  # off: the router's default
+    assert config["cost"]["prefill_attention_ms_per_mpair"] == pytest.approx(1.09)
+    ipool = json.loads(json.dumps(scenario.ipool))
+    ipool.setdefault("router", {})["cost"] = {
+        "tailGuard": 2,
+        "prefillAttentionMsPerMpair": 0.5,
+    }
+    spec = InferencePoolSpec.model_validate(ipool)
+    cost = RouterConfig.model_validate(router_config(POOL, NAMESPACE, spec, [], "g")).cost
+    assert cost.tail_guard == 2.0 and cost.prefill_attention_ms_per_mpair == 0.5
+
+
 def test_router_config_reads_tiers_and_index() -> None:
     scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
     config = router_config(POOL, NAMESPACE, scenario.spec(), scenario.tier_specs(), "g")
