@@ -512,6 +512,7 @@ def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
                 transfer_ms=t.transfer_ms,
                 recompute_ms=t.recompute_ms,
                 ttft_ms=t.ttft_ms,
+                adapter_ms=t.adapter_ms,
                 cached_tokens=t.cached_tokens,
                 loaded_tokens={k.value: v for k, v in t.loaded_from.items()},
             )
@@ -554,10 +555,20 @@ async def _models(router: Router) -> dict[str, Any]:
         for d in data:
             seen.setdefault(d["id"], d)
     if not seen:
-        seen[router.config.model.name] = {
-            "id": router.config.model.name,
+        model = router.config.model
+        created = int(time.time())
+        seen[model.name] = {
+            "id": model.name,
             "object": "model",
-            "created": int(time.time()),
+            "created": created,
             "owned_by": "kvplane",
         }
+        for adapter in model.lora_adapters:  # as vLLM lists an adapter: its base is parent
+            seen[adapter] = {
+                "id": adapter,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvplane",
+                "parent": model.name,
+            }
     return {"object": "list", "data": list(seen.values())}

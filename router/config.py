@@ -42,6 +42,11 @@ class ModelSpec(_Strict):
         description="token ids of recent prompts kept for exact prefix reuse (4 bytes each, "
         "plus their block keys); 0 turns reuse off",
     )
+    lora_adapters: list[str] = Field(
+        default_factory=list,
+        description="names of the LoRA adapters the engines serve (vLLM --lora-modules); a "
+        "request whose model is one of them is routed in this pool, keyed in its own namespace",
+    )
     generation: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9._-]{1,64}$",  # a part of the index's key names
@@ -150,6 +155,17 @@ class CostParams(_Strict):
     tentative_ttl_s: Annotated[float, Field(gt=0)] = 10.0
     sticky_tokens: Annotated[int, Field(gt=0)] = Field(
         default=2048, description="sticky hashing anchors on the key of this many leading tokens"
+    )
+    adapter_load_ms: Annotated[float, Field(ge=0)] = Field(
+        default=25.0,
+        description="a LoRA request on a pod where its adapter has no request running: "
+        "loading the adapter's weights into a free slot first (from the engine's CPU cache "
+        "of adapters, --max-cpu-loras, or from disk)",
+    )
+    adapter_slot_wait_ms: Annotated[float, Field(ge=0)] = Field(
+        default=500.0,
+        description="added when every one of the pod's --max-loras slots is taken by other "
+        "adapters' running or waiting requests: the request waits for one of them to drain",
     )
 
 

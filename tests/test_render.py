@@ -292,6 +292,26 @@ SCENARIOS: list[Scenario] = [
         {"main": _pool(replicas=1)},
     ),
 ]
+LORA: Json = {
+    **LLAMA,
+    "loraAdapters": [
+        {"name": "sql-lora", "source": "/adapters/sql"},
+        {"name": "chat-lora", "source": "org/chat-lora"},
+    ],
+    "maxLoras": 2,
+}
+SCENARIOS += [
+    Scenario("vllm-lora", {"model": LORA}, {"main": _pool(replicas=2)}),
+    Scenario(
+        "sglang-lora",
+        {
+            "model": LORA,
+            "engine": {"kind": "sglang", "image": "lmsysorg/sglang:v0.5.23", "blockSize": 64},
+        },
+        {"main": _pool(replicas=1)},
+    ),
+]
+
 BY_NAME = {s.name: s for s in SCENARIOS}
 
 

@@ -61,7 +61,8 @@ for name, argv in cases["sglang"].items():
     for key in ("page_size", "tp_size", "served_model_name", "revision", "enable_metrics",
                 "enable_cache_report", "enable_hierarchical_cache", "hicache_storage_backend",
                 "hicache_storage_backend_extra_config", "disaggregation_mode",
-                "disaggregation_transfer_backend", "port"):
+                "disaggregation_transfer_backend", "port", "enable_lora", "lora_paths",
+                "max_loras_per_batch"):
         result[key] = getattr(args, key)
     results["sglang"][name] = result
 
@@ -242,3 +243,14 @@ def test_lmcache_takes_lfu_as_its_cache_policy(parsed: Any) -> None:
     results = parsed["lmcache"]
     assert results["lfu/dram-nvme"]["cache_policy"] == "LFUCachePolicy"
     assert results["vllm-lmcache-dram-nvme/llama-lmcache"]["cache_policy"] == "LRUCachePolicy"
+
+
+def test_sglang_lora_adapters_are_its_lora_paths(parsed: Any) -> None:
+    """The CRD's adapters come out as SGLang's lora_paths (name and path), LoRA enabled,
+    with the pool's maxLoras as max_loras_per_batch; without adapters LoRA stays off."""
+    lora = parsed["sglang"]["sglang-lora/llama-decode-main"]
+    assert lora["enable_lora"] is True and lora["max_loras_per_batch"] == 2
+    # kept as given; SGLang's LoRA hook splits each at its first "=" into name and path
+    assert lora["lora_paths"] == ["sql-lora=/adapters/sql", "chat-lora=org/chat-lora"]
+    plain = parsed["sglang"]["sglang-aggregated/llama-decode-main"]
+    assert not plain["enable_lora"] and not plain["lora_paths"]

@@ -23,6 +23,8 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM_GPU
+    lora_id: int | None = None  # the adapter of an adapter request's blocks
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,8 @@ class BlockMeta:
     ext: int
     parent: int | None
     tokens: tuple[int, ...]
+    lora_id: int | None = None  # a LoRA adapter's block: announced with its adapter
+    lora_name: str | None = None
 
 
 class CpuTier:
@@ -63,7 +65,13 @@ class CpuTier:
             self.events.append(BlockRemoved([old.ext], MEDIUM_CPU))
         entries[h] = meta
         stored = BlockStored(
-            [meta.ext], meta.parent, list(meta.tokens), self.block_size, MEDIUM_CPU
+            [meta.ext],
+            meta.parent,
+            list(meta.tokens),
+            self.block_size,
+            MEDIUM_CPU,
+            lora_id=meta.lora_id,
+            lora_name=meta.lora_name,
         )
         self.events.append(stored)
 

@@ -141,6 +141,8 @@ def router_config(
         "cost": cost,
         "index": {"backend": "redis", "url": stores.index_url(ipool_name, namespace, ipool)},
     }
+    if model.lora_adapters:  # requests naming one are this pool's, keyed apart
+        config["model"]["lora_adapters"] = [a.name for a in model.lora_adapters]
     if ipool.tracing is not None:
         config["tracing"] = {
             "endpoint": ipool.tracing.endpoint,

@@ -57,14 +57,20 @@ def too_slow(
 
 
 def choose_by_cost(
-    model: CostModel, prompt_tokens: int, matches: PrefixMatches, loads: Mapping[str, PodLoad]
+    model: CostModel,
+    prompt_tokens: int,
+    matches: PrefixMatches,
+    loads: Mapping[str, PodLoad],
+    adapter: str | None = None,
 ) -> Decision:
     """Lowest score (predicted TTFT with recompute weighted) among pods under the load
     cap; near-ties go to the pod sent the least prefill work lately, exact ties to fewer
     in flight."""
     params = model.params
     pods = list(loads)
-    terms = {p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p]) for p in pods}
+    terms = {
+        p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p], adapter) for p in pods
+    }
     capped = over_cap(loads, params)
     eligible = [p for p in pods if p not in capped] or pods
     slow = too_slow(terms, eligible, loads, params)
@@ -106,4 +112,6 @@ class CostPolicy(BasePolicy):
     uses_index: ClassVar[bool] = True
 
     def choose(self, inp: RoutingInput) -> Decision:
-        return choose_by_cost(self.cost, inp.prompt_tokens, inp.matches or {}, inp.loads)
+        return choose_by_cost(
+            self.cost, inp.prompt_tokens, inp.matches or {}, inp.loads, inp.adapter
+        )

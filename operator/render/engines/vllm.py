@@ -192,6 +192,11 @@ def vllm_args(e: EnginePod) -> list[str]:
     ]
     if model.max_model_len is not None:
         args += ["--max-model-len", str(model.max_model_len)]
+    if model.lora_adapters:
+        args += ["--enable-lora", "--lora-modules"]
+        args += [f"{a.name}={a.source}" for a in model.lora_adapters]
+        if model.max_loras is not None:
+            args += ["--max-loras", str(model.max_loras)]
     plan = e.plan
     dram = plan.native_dram
     if dram is not None and _native_flags_suffice(plan, transfer):
