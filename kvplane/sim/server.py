@@ -28,7 +28,7 @@ from typing import Any, Final
 
 from kvplane.router.tokens import ChatFormatError, ChatOptions, PromptTokenizer
 from kvplane.sim import openai_api as api
-from kvplane.sim import pd
+from kvplane.sim import pd, surface
 from kvplane.sim.engine import EngineCore, EngineStats, SimRequest, StepOutput
 from kvplane.sim.hashing import block_hashes
 from kvplane.sim.httpd import HttpServer, Request, Response, StreamingResponse
@@ -424,6 +424,18 @@ class SimEngine:
         self.counters.requests += 1
         self._wake.set()
 
+    def start_generation(self, ids: list[int], max_tokens: int, public_id: str) -> _Gen:
+        """One sequence generated for a request of another endpoint (``surface``)."""
+        gen = _Gen()
+        rid = f"{public_id}-0-{self.next_id()}"
+        sub = _Sub(rid, 0, len(ids), max_tokens, gen, time.monotonic())
+        try:
+            self.submit(gen, sub, ids, None)
+        except ValueError as exc:
+            self.abort(gen)
+            raise api.ApiError(400, str(exc)) from exc
+        return gen
+
     def abort(self, gen: _Gen) -> None:
         plan = gen.plan
         unfinished = any(s.finish is None for s in gen.subs)
@@ -589,6 +601,7 @@ class SimEngine:
         r["GET", "/get_server_info"] = r["GET", "/server_info"] = self._server_info
         r["GET", "/get_model_info"] = r["GET", "/model_info"] = self._model_info
         r["GET", "/sim/stats"] = self._sim_stats
+        surface.register(self, r)  # embeddings, score, rerank, responses
 
     async def handle(self, req: Request) -> Response | StreamingResponse:
         method = "GET" if req.method == "HEAD" else req.method
