@@ -6,6 +6,7 @@ engines that keep stored responses in their own process, as vLLM does."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,12 +193,12 @@ def test_unknown_or_unstored_previous_response_is_a_404(router: RunningRouter) -
         c.responses.create(model="tiny", input="hi", previous_response_id=unstored.id)
 
 
-async def test_a_response_whose_pod_left_is_a_404(router: RunningRouter) -> None:
+def test_a_response_whose_pod_left_is_a_404(router: RunningRouter) -> None:
     """The map names a pod the pool no longer has (seeded: removing a static backend
     from a running router is not possible); the request is not sent anywhere."""
     homes = router.router.homes
     assert homes is not None
-    await homes.put("resp_orphan", "a-pod-that-left")
+    asyncio.run(homes.put("resp_orphan", "a-pod-that-left"))  # memory: no loop of its own
     body = {"model": "tiny", "input": "hi", "previous_response_id": "resp_orphan"}
     r = httpx.post(f"{router.url}/v1/responses", json=body, timeout=TIMEOUT)
     assert r.status_code == 404
