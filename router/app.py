@@ -39,7 +39,13 @@ from kvplane.router.pipeline import Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
 from kvplane.router.proxy import Dispatch, Proxy
 from kvplane.router.request import ParsedRequest, parse_request
-from kvplane.router.responses import MemoryHomes, ResponseHomes, ResponseTap, not_found
+from kvplane.router.responses import (
+    MemoryHomes,
+    ResponseHomes,
+    ResponseTap,
+    SharedHomes,
+    not_found,
+)
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
@@ -101,9 +107,14 @@ ROUTES: tuple[tuple[str, str], ...] = (
 )
 
 
-def make_homes(config: RouterConfig) -> ResponseHomes:
-    """Where stored responses live (responses.py): this replica's map."""
-    return MemoryHomes(config.responses.max_entries, config.responses.ttl_s)
+def make_homes(config: RouterConfig, index: ResidencyIndex) -> ResponseHomes:
+    """Where stored responses live (responses.py): this replica's map, shared with the
+    other replicas through the index when the index is in Redis."""
+    spec = config.responses
+    local = MemoryHomes(spec.max_entries, spec.ttl_s)
+    if isinstance(index, RedisIndex):
+        return SharedHomes(index.nodes, index.names.prefix, local, spec.ttl_s)
+    return local
 
 
 def make_discovery(config: RouterConfig) -> Discovery:
@@ -197,7 +208,7 @@ def build_router(
         HeaderPolicy.of(config),
     )
     router.tracing = Tracing.of(config.tracing, config.pool)
-    router.homes = make_homes(config)
+    router.homes = make_homes(config, index)
     if config.pd is not None:
         router.pd = PDService(config, pipeline, pool, index, metrics, client)
     pool.on_demote = lambda pod: metrics.demotions.labels(**metrics.labels, pod=pod).inc()

