@@ -38,7 +38,7 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(tokenizer_dir: Path) -> Iterator[SimFleet]:
-    cfg = FleetConfig(tokenizer=str(tokenizer_dir), engines=PODS, model="tiny", profile="cpu-tiny")
+    cfg = FleetConfig(tokenizer=str(tokenizer_dir), engines=PODS, model="tiny", pooling=True)
     with running_fleet(cfg) as f:
         yield f
 
@@ -105,6 +105,15 @@ def test_embeddings_without_input_are_a_400_in_openai_shape(router: RunningRoute
     assert error_of(r)["param"] == "input"
     with pytest.raises(openai.NotFoundError):  # an unknown model: the router's 404
         client(router).embeddings.create(model="other", input="x")
+
+
+def test_an_engine_without_pooling_answers_its_own_404(tokenizer_dir: Path) -> None:
+    """A generative vLLM serves no embeddings: its 404 reaches the client as it is."""
+    cfg = FleetConfig(tokenizer=str(tokenizer_dir), engines=1, model="tiny")
+    with running_fleet(cfg) as generative, serve_router(config(tokenizer_dir, generative)) as r:
+        with pytest.raises(openai.NotFoundError):
+            client(r).embeddings.create(model="tiny", input="x")
+        assert client(r).responses.create(model="tiny", input="x", max_output_tokens=1).id
 
 
 # ---- /v1/responses ------------------------------------------------------------------

@@ -130,6 +130,7 @@ def run_sequence(t: Target, salt: str) -> None:
                 t.streams["s_resp"] = [
                     msgspec.json.decode(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")
                 ]
+            post("embed_generative", "/v1/embeddings", {"model": MODEL, "input": "x"})
             post("err_model", "/v1/completions", {"model": "nope", "prompt": "x"})
             post("err_prompt", "/v1/completions", {"model": MODEL})
             post(
@@ -261,6 +262,8 @@ def test_responses_match(targets: tuple[Target, Target]) -> None:
         assert a["body"]["usage"]["input_tokens"] == b["body"]["usage"]["input_tokens"], name
         assert a["body"]["status"] == b["body"]["status"], name
     assert chunk_kinds(real.streams["s_resp"]) == chunk_kinds(sim.streams["s_resp"])
+    # a generative model serves no pooling endpoint
+    assert real.answers["embed_generative"] == sim.answers["embed_generative"]
 
 
 def _events(batches: list[Any]) -> list[dict[str, Any]]:

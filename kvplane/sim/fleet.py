@@ -56,6 +56,7 @@ class FleetConfig:
     pd_link_gbps: float = 50.0
     bootstrap_base_port: int = 0  # Mooncake/SGLang bootstrap port of prefill engine i
     names: Sequence[str] = field(default_factory=tuple)
+    pooling: bool = False  # serve embeddings, score, rerank (vLLM: --runner pooling)
 
 
 def resolve_profile(cfg: FleetConfig) -> EngineProfile:
@@ -137,6 +138,7 @@ class SimFleet:
                 kv_connector=cfg.kv_connector,
                 pd_link_gbps=cfg.pd_link_gbps,
                 bootstrap_port=port(cfg.bootstrap_base_port) if role == "prefill" else None,
+                pooling=cfg.pooling,
             )
             self.engines.append(SimEngine(ecfg, self.tokenizer, self.output, self.registry))
 

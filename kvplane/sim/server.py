@@ -82,6 +82,9 @@ class SimEngineConfig:
     engine_id: str = ""  # NIXL/Mooncake engine identity; default: a uuid
     pd_link_gbps: float = 50.0  # GB/s between engines for P/D KV transfers
     bootstrap_port: int | None = None  # Mooncake/SGLang bootstrap (prefill engines)
+    # serve /v1/embeddings, /v1/score, /v1/rerank too (vLLM serves them for a pooling
+    # model, --runner pooling; a generative one answers them 404)
+    pooling: bool = False
 
     @property
     def max_model_len(self) -> int:

@@ -3,8 +3,10 @@
 ``/v1/responses``.
 
 Pooling answers (embeddings, scores) are computed at once from the token ids, not
-scheduled: real vLLM serves them only with a pooling model (``--runner pooling``), and
-the simulator's engine core models generation alone. A response is generated like a
+scheduled (the simulator's engine core models generation alone), and served only by an
+engine configured as pooling (``SimEngineConfig.pooling``): vLLM serves them only with a
+pooling model (``--runner pooling``) and answers 404 for a generative one. A simulated
+pooling engine still generates (a real one would not). A response is generated like a
 chat completion of its messages; with ``store`` (the default) it is kept in this
 process, as vLLM keeps it (``VLLM_ENABLE_RESPONSES_API_STORE=1``), so only this engine
 can continue it (``previous_response_id``; an id it does not hold is vLLM's 404).
@@ -33,12 +35,14 @@ Routes = dict[tuple[str, str], Callable[[Request], Any]]
 
 def register(engine: SimEngine, routes: Routes) -> None:
     s = Surface(engine)
+    routes["POST", "/v1/responses"] = s.responses
+    if not engine.cfg.pooling:
+        return
     routes["POST", "/v1/embeddings"] = s.embeddings
     for path in ("/v1/score", "/score"):
         routes["POST", path] = s.score
     for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
         routes["POST", path] = s.rerank
-    routes["POST", "/v1/responses"] = s.responses
 
 
 def _hex() -> str:

@@ -157,6 +157,7 @@ def output_message(msg_id: str, text: str, status: str = "completed") -> dict[st
         "role": "assistant",
         "status": status,
         "type": "message",
+        "phase": None,
     }
 
 
@@ -207,7 +208,7 @@ def responses_response(
         "output": output,
         "parallel_tool_calls": raw.get("parallel_tool_calls", True),
         "temperature": raw.get("temperature", 1.0),
-        "tool_choice": raw.get("tool_choice", "auto"),
+        "tool_choice": raw.get("tool_choice", "auto" if raw.get("tools") else "none"),
         "tools": raw.get("tools") or [],
         "top_p": raw.get("top_p", 1.0),
         "background": bool(raw.get("background", False)),
@@ -223,8 +224,8 @@ def responses_response(
         "truncation": raw.get("truncation", "disabled"),
         "usage": usage,
         "user": raw.get("user"),
-        "presence_penalty": raw.get("presence_penalty"),
-        "frequency_penalty": raw.get("frequency_penalty"),
+        "presence_penalty": raw.get("presence_penalty") or 0.0,
+        "frequency_penalty": raw.get("frequency_penalty") or 0.0,
         "kv_transfer_params": None,
         "ec_transfer_params": None,
         "input_messages": None,
@@ -240,7 +241,8 @@ class ResponseEvents:
         self.seq = 0
 
     def _event(self, type_: str, **fields: Any) -> bytes:
-        payload = {**fields, "sequence_number": self.seq, "type": type_}
+        fields.update(sequence_number=self.seq, type=type_)
+        payload = dict(sorted(fields.items()))  # OpenAI's event models: fields by name
         self.seq += 1
         return b"event: " + type_.encode() + b"\ndata: " + encode(payload) + b"\n\n"
 
