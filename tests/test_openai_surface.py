@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kvplane.router.config import RouterConfig
 from kvplane.router.responses import MemoryHomes, ResponseTap
 from support.redis_server import RedisServer
@@ -328,3 +330,50 @@ async def test_the_tap_finds_the_id_in_a_stream_cut_anywhere() -> None:
         await tap(wire[:cut])
         await tap(wire[cut:])
         assert await homes.get("resp_x") == "p0"
+
+
+# ---- hostile bodies ---------------------------------------------------------------------
+
+FIELDS = {
+    "/v1/embeddings": ("input", "dimensions", "messages"),
+    "/v1/responses": ("input", "instructions", "previous_response_id", "max_output_tokens"),
+    "/tokenize": ("prompt", "messages", "add_special_tokens"),
+    "/detokenize": ("tokens",),
+    "/v1/score": ("queries", "documents", "data_1", "data_2"),
+    "/v1/rerank": ("query", "documents", "top_n"),
+}
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
+    max_leaves=12,
+)
+
+
+@pytest.mark.parametrize("path", sorted(FIELDS))
+def test_hostile_bodies_get_4xx_in_openai_shape(router: RunningRouter, path: str) -> None:
+    """Neither the router nor the engine fails (5xx) on any body; every refusal is an
+    OpenAI error object."""
+    fields = FIELDS[path]
+    bodies = st.one_of(
+        st.binary(max_size=200),
+        st.dictionaries(st.sampled_from(fields), json_values, max_size=3).map(
+            lambda d: json.dumps({"model": "tiny", **d}).encode()
+        ),
+    )
+
+    @settings(max_examples=60, deadline=None, database=None)
+    @given(content=bodies)
+    def prop(content: bytes) -> None:
+        r = httpx.post(
+            router.url + path,
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=TIMEOUT,
+        )
+        assert r.status_code < 500, (content[:200], r.status_code, r.text[:300])
+        if r.status_code >= 400:
+            error_of(r)
+
+    prop()

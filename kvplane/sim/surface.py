@@ -61,15 +61,19 @@ class Surface:
         return obj
 
     async def _ids(self, value: Any, param: str) -> list[list[int]]:
-        """Text, token ids, or a batch of either, as token ids."""
-        if isinstance(value, list) and value and all(type(t) is int for t in value):
-            self.e.check_ids(value)
-            return [value]
-        if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
-            for ids in value:
-                self.e.check_ids(ids)
-            return [list(v) for v in value]
-        return [await self.e.encode_text(t, True) for t in sa.texts(value, param)]
+        """Text, token ids, or a batch of either, as token ids (else vLLM's 400)."""
+        try:
+            prompts = api.parse_prompts(value)
+        except api.ApiError:
+            raise api.ApiError(400, f"'{param}' must be text or token ids", param=param) from None
+        out: list[list[int]] = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append(await self.e.encode_text(p, True))
+            else:
+                self.e.check_ids(p)
+                out.append(p)
+        return out
 
     async def embeddings(self, req: Request) -> Response:
         obj = await self._request(req)
