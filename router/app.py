@@ -22,7 +22,7 @@ from kvplane.router import runtime, tracing
 from kvplane.router.auth import ROLE_KEY, Disclosure, Gate, Role, disclose, disclosure
 from kvplane.router.config import RouterConfig
 from kvplane.router.discovery import Discovery, StaticDiscovery
-from kvplane.router.errors import APIError
+from kvplane.router.errors import APIError, describe
 from kvplane.router.forwarder import Forwarder
 from kvplane.router.generation import generation_tag
 from kvplane.router.headers import HeaderPolicy
@@ -51,8 +51,9 @@ from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
 from kvplane.router.tracing import OFF, Tracing
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -359,6 +360,15 @@ def create_app(
             return exc.response()
         return JSONResponse(_explain_body(pool, routed))
 
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        """A stored response (``?stream=true``: its events again), from the pod storing it."""
+        return await _at_home(registry, request, response_id, "")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        return await _at_home(registry, request, response_id, "/cancel")
+
     @app.get("/v1/models")
     async def models() -> Response:
         return JSONResponse(await models_of(registry))
@@ -457,6 +467,48 @@ def _request_id(raw_headers: list[tuple[bytes, bytes]]) -> str:
 
 
 _PRINTABLE = re.compile(rb"[\x21-\x7e]+")
+
+
+async def _at_home(
+    registry: ModelRegistry, request: Request, response_id: str, action: str
+) -> Response:
+    """A request about one stored response, relayed to the pod that stored it (streamed
+    back as it comes); a 404 in vLLM's words when no pool knows the id."""
+    for router in registry:
+        home = await router.homes.get(response_id) if router.homes is not None else None
+        if home is not None and home in router.pool.states:
+            break
+    else:
+        error = not_found(response_id)
+        error.param = "response_id"
+        return error.response()
+    state = router.pool.states[home]
+    if not state.healthy:
+        return APIError(
+            503, f"backend {home}, which stored the response, is unavailable"
+        ).response()
+    request_id = _request_id(request.scope["headers"])
+    upstream = router.client.build_request(
+        request.method,
+        f"{state.backend.url.rstrip('/')}/v1/responses/{response_id}{action}",
+        params=request.query_params,
+        headers=router.header_policy.forward(request.scope["headers"], request_id),
+        content=await request.body(),
+    )
+    try:
+        answer = await router.client.send(upstream, stream=True)
+    except httpx.HTTPError as exc:
+        return APIError(502, f"backend {home}: {describe(exc)}").response()
+    headers = {"x-request-id": request_id}
+    kind = answer.headers.get("content-type")
+    if kind:
+        headers["content-type"] = kind
+    return StreamingResponse(
+        answer.aiter_raw(),
+        answer.status_code,
+        headers,
+        background=BackgroundTask(answer.aclose),
+    )
 
 
 def _disclose_response(response: Response, level: Disclosure) -> None:

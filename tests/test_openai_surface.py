@@ -196,6 +196,16 @@ def test_streamed_response_is_recorded_from_its_events(router: RunningRouter) ->
     assert again.headers["x-kvplane-pod"] == home
 
 
+def test_retrieve_goes_to_the_storing_pod(router: RunningRouter) -> None:
+    """GET /v1/responses/{id} is served where the response is stored."""
+    c = client(router)
+    made = c.responses.create(model="tiny", input="keep", max_output_tokens=1)
+    assert c.responses.retrieve(made.id) == made
+    with pytest.raises(openai.NotFoundError) as exc:
+        c.responses.retrieve("resp_unknown")
+    assert "Response with id 'resp_unknown' not found." in str(exc.value)
+
+
 def test_unknown_or_unstored_previous_response_is_a_404(router: RunningRouter) -> None:
     c = client(router)
     with pytest.raises(openai.NotFoundError) as exc:

@@ -236,6 +236,7 @@ def test_responses_and_tokenization_through_the_router(
     assert usage is not None and usage.input_tokens > made.usage.input_tokens
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="tiny", input="x", previous_response_id="resp_unknown")
+    assert client.responses.retrieve(made.id).id == made.id  # GET, from its pod
     engine = next(e for e in vllm_engines if e.name != home)  # why: its store is its own
     r = httpx.post(
         f"{engine.url}/v1/responses",

@@ -611,6 +611,8 @@ class SimEngine:
         key = f"{req.method} {req.path}"
         self.http_requests[key] = self.http_requests.get(key, 0) + 1
         fn = self.routes.get((method, req.path)) or self.extra_routes.get((method, req.path))
+        if fn is None and method == "GET" and req.path.startswith(surface.RESPONSE_PREFIX):
+            fn = self.routes.get((method, surface.RESPONSE_PREFIX + "{id}"))
         if fn is None:
             if any(path == req.path for _, path in (*self.routes, *self.extra_routes)):
                 return api.method_not_allowed()

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvplane.sim.server import SimEngine, _Gen
 
 MAX_STORED: Final = 10_000  # responses kept per engine (the oldest go first)
+RESPONSE_PREFIX: Final = "/v1/responses/"  # GET /v1/responses/{id}: a stored response
 
 Routes = dict[tuple[str, str], Callable[[Request], Any]]
 
@@ -36,6 +37,7 @@ Routes = dict[tuple[str, str], Callable[[Request], Any]]
 def register(engine: SimEngine, routes: Routes) -> None:
     s = Surface(engine)
     routes["POST", "/v1/responses"] = s.responses
+    routes["GET", RESPONSE_PREFIX + "{id}"] = s.retrieve
     if not engine.cfg.pooling:
         return
     routes["POST", "/v1/embeddings"] = s.embeddings
@@ -52,8 +54,8 @@ def _hex() -> str:
 class Surface:
     def __init__(self, engine: SimEngine) -> None:
         self.e = engine
-        # response id -> its conversation (input messages and the answer)
-        self.stored: OrderedDict[str, list[dict[str, str]]] = OrderedDict()
+        # response id -> its conversation (input messages and the answer), its body
+        self.stored: OrderedDict[str, tuple[list[dict[str, str]], dict[str, Any]]] = OrderedDict()
 
     async def _request(self, req: Request) -> dict[str, Any]:
         obj = api.parse_json_object(req.body)
@@ -148,7 +150,7 @@ class Surface:
             found = self.stored.get(p.previous_response_id)
             if found is None:
                 raise sa.response_not_found(p.previous_response_id)
-            history = found
+            history = found[0]
         # vLLM's order: the new instructions, the stored conversation, the new input
         system = p.messages[:1] if p.instructions else []
         turn = history + p.messages[len(system) :]
@@ -168,9 +170,16 @@ class Surface:
             e.abort(gen)
             raise
         text, status, usage = self._outcome(gen)
-        self._store(head, turn, text)
-        output = [sa.output_message(head.msg_id, text)]
-        return api.json_response(sa.responses_response(head, status, output, usage))
+        body = sa.responses_response(head, status, [sa.output_message(head.msg_id, text)], usage)
+        self._store(head, turn, text, body)
+        return api.json_response(body)
+
+    async def retrieve(self, req: Request) -> Response:
+        rid = req.path[len(RESPONSE_PREFIX) :]
+        found = self.stored.get(rid)
+        if found is None:
+            raise sa.response_not_found(rid)
+        return api.json_response(found[1])
 
     def _outcome(self, gen: _Gen) -> tuple[str, str, dict[str, Any]]:
         sub = gen.subs[0]
@@ -178,10 +187,12 @@ class Surface:
         usage = sa.responses_usage(sub.prompt_len, sub.cached, sub.n_out)
         return self.e.out.text * sub.n_out, status, usage
 
-    def _store(self, head: sa.ResponseHead, turn: list[dict[str, str]], text: str) -> None:
+    def _store(
+        self, head: sa.ResponseHead, turn: list[dict[str, str]], text: str, body: dict[str, Any]
+    ) -> None:
         if not head.params.store:
             return
-        self.stored[head.rid] = [*turn, {"role": "assistant", "content": text}]
+        self.stored[head.rid] = ([*turn, {"role": "assistant", "content": text}], body)
         while len(self.stored) > MAX_STORED:
             self.stored.popitem(last=False)
 
@@ -203,7 +214,8 @@ class Surface:
                 if gen.open_subs <= 0 and sub.n_out == sub.n_sent:
                     break
             text, status, usage = self._outcome(gen)
-            self._store(head, turn, text)
+            message = sa.output_message(head.msg_id, text)
+            self._store(head, turn, text, sa.responses_response(head, status, [message], usage))
             yield events.closing(text, status, usage)
         finally:
             self.e.abort(gen)
