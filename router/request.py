@@ -29,6 +29,9 @@ LOAD_ROUTED: dict[str, tuple[str, ...]] = {
 }
 
 
+MAX_RESPONSE_ID = 256  # characters; vLLM's ids are "resp_" and 32 hex digits
+
+
 @dataclass(frozen=True, slots=True)
 class ParsedRequest:
     kind: str  # "completions" | "chat" | "responses" | a key of LOAD_ROUTED
@@ -170,8 +173,12 @@ def _responses(body: dict[str, Any], size: int) -> ParsedRequest:
     if body.get("input") in (None, "", []):
         raise APIError(400, "missing required field 'input'", param="input")
     prev = body.get("previous_response_id")
-    if prev is not None and (not isinstance(prev, str) or not prev):
-        raise APIError(400, "'previous_response_id' must be a string", param="previous_response_id")
+    if prev is not None and (not isinstance(prev, str) or not 0 < len(prev) <= MAX_RESPONSE_ID):
+        raise APIError(
+            400,
+            f"'previous_response_id' must be a string of at most {MAX_RESPONSE_ID} characters",
+            param="previous_response_id",
+        )
     max_tokens = body.get("max_output_tokens")
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         param = "max_output_tokens"
@@ -214,7 +221,7 @@ def response_messages(body: dict[str, Any]) -> list[dict[str, str]] | None:
             texts = [p.get("text") for p in content if isinstance(p, dict)]
             if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
                 return None
-            content = "".join(t for t in texts if isinstance(t, str))
+            content = "\n".join(t for t in texts if isinstance(t, str))  # as chat parts
         if not isinstance(content, str):
             return None
         out.append({"role": role, "content": content})

@@ -150,7 +150,8 @@ class Surface:
             found = self.stored.get(p.previous_response_id)
             if found is None:
                 raise sa.response_not_found(p.previous_response_id)
-            history = found[0]
+            # as vLLM: instructions do not carry over to the next response
+            history = [m for m in found[0] if m.get("role") != "system"]
         # vLLM's order: the new instructions, the stored conversation, the new input
         system = p.messages[:1] if p.instructions else []
         turn = history + p.messages[len(system) :]
