@@ -8,7 +8,7 @@ VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm setup-k8s setup-dynamo setup-tools demo test lint typecheck image bench-overhead
+.PHONY: setup setup-vllm setup-parsers setup-k8s setup-dynamo setup-tools demo test lint typecheck image bench-overhead
 
 setup:
 	@bash scripts/bootstrap.sh
@@ -25,7 +25,11 @@ setup-dynamo:
 
 # What some tests run for real, each installed or built only if missing: buildah and
 # debootstrap (the image), prometheus, Grafana's dashboard schema and the Prometheus
-# adapter (dashboards and autoscaling), Jaeger (tracing)
+# adapter (dashboards and autoscaling), Jaeger (tracing), the real mooncake_master
+# SGLang's and LMCache's own config parsers, over the vLLM venv (the render tests)
+setup-parsers: setup-vllm
+	@bash scripts/setup-engine-parsers.sh >/dev/null
+
 setup-tools:
 	@bash scripts/setup-apt.sh
 	@bash scripts/setup-dashboard-schema.sh >/dev/null
@@ -53,7 +57,7 @@ typecheck: setup
 	cd /tmp && MYPYPATH=$(ROOT)/tests $(VENV)/bin/mypy --config-file $(ROOT)/pyproject.toml \
 		$(ROOT)/e2e/conftest.py $(ROOT)/e2e/test_suite.py
 
-test: setup-vllm setup-k8s setup-dynamo setup-tools lint typecheck
+test: setup-vllm setup-parsers setup-k8s setup-dynamo setup-tools lint typecheck
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 bench-overhead: setup

@@ -104,6 +104,14 @@ def _default_tiers() -> dict[Tier, TierCost]:
 
 class CostParams(_Strict):
     prefill_tokens_per_s: Annotated[float, Field(gt=0)] = 30000.0
+    prefill_attention_ms_per_mpair: Annotated[float, Field(ge=0)] = Field(
+        default=1.09,
+        description="prefill attention on top of the linear rate: ms per million "
+        "(new token x context token) pairs; n new tokens after c cached ones cost "
+        "n x (c + n/2) pairs, so a long prompt's prefill grows faster than its length. "
+        "The default is Llama-3.1-8B on an H100 (the default rate's model): "
+        "(1000 / rate) x 2 x layers x hidden / parameters; 0 keeps prefill linear",
+    )
     decode_step_ms: Annotated[float, Field(ge=0)] = 6.0
     running_step_ms_per_request: Annotated[float, Field(ge=0)] = 0.05
     kv_pressure_threshold: Annotated[float, Field(ge=0, le=1)] = 0.9
@@ -123,6 +131,16 @@ class CostParams(_Strict):
         "land where little work has gone and long-run load stays even while queues are "
         "momentarily equal",
     )
+    tail_guard: Annotated[float, Field(ge=1)] | None = Field(
+        default=None,
+        description="off by default. When set, recompute_weight may trade a request's own "
+        "TTFT for reuse only so far: while some pod has no prefill queued, a pod "
+        "predicted slower than tail_guard x that pod's TTFT (and by more than "
+        "tail_guard_slack_ms) is not chosen for what it holds. Helps where a tier below "
+        "HBM holds the working set; with HBM alone the prefill it adds evicts more than "
+        "it saves (docs/router.md: the tail guard)",
+    )
+    tail_guard_slack_ms: Annotated[float, Field(ge=0)] = 2000.0
     load_cap: Annotated[float, Field(ge=1)] = Field(
         default=2.0,
         description="a pod with more than load_cap x the mean in-flight requests (+ slack) is "

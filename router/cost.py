@@ -4,13 +4,15 @@
 
 - queue: prefill work already waiting on the pod (tokens the router has sent
   and not yet seen a first token for, plus requests the engine reported waiting
-  beyond those the router had pending when it scraped), at the pod's prefill
-  throughput; plus decode interference
+  beyond those the router had pending when it scraped), costed as their prefill
+  (rate plus attention); plus decode interference
   from running requests; plus a penalty when the KV cache is nearly full
   (preemptions ahead).
 - transfer: blocks held only in a slower tier are loaded (tier latency + bytes
   over tier bandwidth).
-- recompute: every token not resident (or not worth loading) is prefilled.
+- recompute: every token not resident (or not worth loading) is prefilled: at the
+  prefill rate, plus attention to the context before it (quadratic in length, so a
+  long prompt costs more than its tokens at the rate).
 
 A connector can only load a contiguous prefix, so the choice is one cut: load
 tiers up to some boundary, recompute everything after it. Every cut is costed
@@ -33,6 +35,7 @@ class PodLoad:
     """What is known of a pod's load right now."""
 
     pending_prefill_tokens: int = 0  # router-tracked, sent and awaiting first token
+    pending_prefill_pairs: float = 0.0  # their attention work: sum of n x (cached + n/2)
     pending_requests: int = 0  # router-tracked count of the above
     inflight: int = 0  # router-tracked requests not finished
     inflight_tokens: int = 0  # their prompt tokens: the KV a decode step reads there
@@ -59,14 +62,32 @@ class CostTerms:
         return self.queue_ms + self.transfer_ms + self.recompute_ms
 
 
+def attention_pairs(new_tokens: float, cached_tokens: float) -> float:
+    """Attention work of prefilling ``new_tokens`` after ``cached_tokens``: every new
+    token attends to the cached context and, causally, to half of the new ones."""
+    return new_tokens * (cached_tokens + new_tokens / 2.0) if new_tokens > 0 else 0.0
+
+
+def prefill_compute_ms(tokens: float, pairs: float, params: CostParams) -> float:
+    """Time to prefill ``tokens`` new tokens whose attention work is ``pairs``."""
+    return (
+        tokens / params.prefill_tokens_per_s * 1000.0
+        + pairs * params.prefill_attention_ms_per_mpair / 1e6
+    )
+
+
 def pending_prefill_ms(load: PodLoad, params: CostParams) -> float:
-    """Prefill already queued on the pod, at its prefill throughput."""
+    """Prefill already queued on the pod: its tokens at the prefill rate plus their
+    attention, so a pod with one long prompt pending is known to be busier than one
+    with several short ones of the same total."""
     # Requests waiting that the router did not send (another replica's, a direct
     # client's), counted against the router's pending at the scrape's instant: a scrape
     # is up to an interval old, and its waiting requests may have started since.
     unseen_waiting = max(0.0, load.engine_waiting - load.scraped_pending_requests)
-    pending = load.pending_prefill_tokens + unseen_waiting * load.mean_request_tokens
-    return pending / params.prefill_tokens_per_s * 1000.0
+    mean = load.mean_request_tokens
+    tokens = load.pending_prefill_tokens + unseen_waiting * mean
+    pairs = load.pending_prefill_pairs + unseen_waiting * attention_pairs(mean, 0.0)
+    return prefill_compute_ms(tokens, pairs, params)
 
 
 def queue_ms(load: PodLoad, params: CostParams) -> float:
@@ -109,13 +130,16 @@ class CostModel:
         params, block_size = self.params, self.block_size
         # The engine always computes the last prompt token, so at most n-1 are reusable.
         reusable = max(0, prompt_tokens - 1)
-        per_token_ms = 1000.0 / params.prefill_tokens_per_s
         resident = min(match.get(Tier.HBM, 0) * block_size, reusable)
+
+        def recompute(covered: int) -> float:
+            rest = prompt_tokens - covered
+            return prefill_compute_ms(rest, attention_pairs(rest, covered), params)
 
         best_loaded: dict[Tier, int] = {}
         best_loaded_ms: dict[Tier, float] = {}
         best_transfer, best_covered = 0.0, resident
-        best_total = (prompt_tokens - resident) * per_token_ms
+        best_total = recompute(resident)
         loaded: dict[Tier, int] = {}
         loaded_ms: dict[Tier, float] = {}
         covered, transfer = resident, 0.0
@@ -128,7 +152,7 @@ class CostModel:
             transfer += ms
             covered = upto
             loaded, loaded_ms = {**loaded, tier: extra}, {**loaded_ms, tier: ms}
-            total = transfer + (prompt_tokens - covered) * per_token_ms
+            total = transfer + recompute(covered)
             if total < best_total:
                 best_total, best_transfer, best_covered = total, transfer, covered
                 best_loaded, best_loaded_ms = loaded, loaded_ms
@@ -136,7 +160,7 @@ class CostModel:
             pod=pod,
             queue_ms=queue_ms(load, params),
             transfer_ms=best_transfer,
-            recompute_ms=(prompt_tokens - best_covered) * per_token_ms,
+            recompute_ms=recompute(best_covered),
             cached_tokens=best_covered,
             loaded_from=best_loaded,
             loaded_ms=best_loaded_ms,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvplane.router.cost import attention_pairs
+
 
 @dataclass(kw_only=True)
 class LoadCounters:
@@ -20,6 +22,7 @@ class LoadCounters:
 
     pending_tokens: int = 0  # uncached prompt tokens sent, awaiting their first token
     pending_requests: int = 0  # requests of the above
+    pending_pairs: float = 0.0  # their prefill attention work (cost.attention_pairs)
     scraped_pending_requests: int = 0  # pending_requests when the last scrape was taken
     inflight: int = 0  # requests sent (or booked) and not finished
     inflight_tokens: int = 0  # prompt tokens of the requests in flight here
@@ -59,17 +62,28 @@ class Attempt:
     first_byte: bool = False
     done: bool = False
 
+    @property
+    def pairs(self) -> float:
+        """The prefill's attention work: its uncached tokens after the cached rest."""
+        return attention_pairs(
+            self.uncached_tokens, max(0, self.context_tokens - self.uncached_tokens)
+        )
+
     def begin(self) -> None:
         c = self.counters
         c.pending_tokens += self.uncached_tokens
+        c.pending_pairs += self.pairs
         c.pending_requests += 1
         c.book(self.context_tokens)
 
     def first(self) -> None:
         if not self.first_byte:
             self.first_byte = True
-            self.counters.pending_tokens -= self.uncached_tokens
-            self.counters.pending_requests -= 1
+            c = self.counters
+            c.pending_tokens -= self.uncached_tokens
+            c.pending_requests -= 1
+            # float sums drift; nothing pending is exactly nothing
+            c.pending_pairs = max(0.0, c.pending_pairs - self.pairs) if c.pending_requests else 0.0
 
     def end(self) -> None:
         if not self.done:

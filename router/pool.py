@@ -74,6 +74,7 @@ class BackendState(LoadCounters):
         return PodLoad(
             recent_prefill_tokens=self.recent(time.monotonic() if now is None else now),
             pending_prefill_tokens=self.pending_tokens,
+            pending_prefill_pairs=self.pending_pairs,
             pending_requests=self.pending_requests,
             inflight=self.inflight,
             inflight_tokens=self.inflight_tokens,

@@ -43,7 +43,11 @@ def test_chaining_from_a_parent_continues_the_chain() -> None:
     assert chain_keys(toks, 16, keys[1], start_block=2) == keys[2:]
 
 
-P = CostParams(prefill_tokens_per_s=10000.0, running_step_ms_per_request=0.0)
+P = CostParams(
+    prefill_tokens_per_s=10000.0,
+    running_step_ms_per_request=0.0,
+    prefill_attention_ms_per_mpair=0.0,
+)  # linear prefill: the attention term has its own tests below
 M = CostModel(P, 10, 1000)  # block size 10, 1000 bytes per token
 
 
@@ -172,3 +176,67 @@ def test_sticky_order_is_stable_and_minimally_disrupted() -> None:
     for a, first in firsts.items():
         if first != "p2":
             assert sticky_order(a, fewer)[0] == first
+
+
+QUAD = P.model_copy(update={"prefill_attention_ms_per_mpair": 2.0})  # 2 ms per 1e6 pairs
+
+
+def test_prefill_attention_grows_with_context() -> None:
+    """n new tokens after c cached cost n / rate plus n x (c + n/2) attention pairs."""
+    m = CostModel(QUAD, 10, 1000)
+    cold = m.predict("p", 10_000, match(), PodLoad())
+    assert cold.recompute_ms == pytest.approx(1000.0 + 10_000 * 5_000 * 2.0 / 1e6)
+    warm = m.predict("p", 10_000, match(h=500), PodLoad())  # 5000 resident
+    assert warm.recompute_ms == pytest.approx(500.0 + 5_000 * (5_000 + 2_500) * 2.0 / 1e6)
+    # the same tokens after a longer context cost more: attention reads the context
+    assert warm.recompute_ms > m.predict("p", 5_000, match(), PodLoad()).recompute_ms
+
+
+def test_one_long_pending_prompt_queues_longer_than_short_ones_of_its_size() -> None:
+    from kvplane.router.cost import pending_prefill_ms
+    from kvplane.router.load import Attempt, LoadCounters
+
+    long, short = LoadCounters(), LoadCounters()
+    Attempt(long, 40_000, 0.0, 40_000).begin()
+    attempts = [Attempt(short, 4_000, 0.0, 4_000) for _ in range(10)]
+    for a in attempts:
+        a.begin()
+    assert long.pending_tokens == short.pending_tokens == 40_000
+    as_load = [
+        PodLoad(pending_prefill_tokens=c.pending_tokens, pending_prefill_pairs=c.pending_pairs)
+        for c in (long, short)
+    ]
+    long_ms, short_ms = (pending_prefill_ms(ld, QUAD) for ld in as_load)
+    assert long_ms == pytest.approx(4000.0 + 40_000 * 20_000 * 2.0 / 1e6)
+    assert short_ms == pytest.approx(4000.0 + 10 * 4_000 * 2_000 * 2.0 / 1e6)
+    assert long_ms > short_ms
+    # a cached prefix makes the pending prefill's attention longer, not its tokens more
+    warm = LoadCounters()
+    Attempt(warm, 1_000, 0.0, 9_000).begin()
+    assert warm.pending_pairs == pytest.approx(1_000 * (8_000 + 500))
+    for a in attempts:
+        a.first()
+    assert short.pending_pairs == 0.0 and short.pending_tokens == 0
+
+
+def test_tail_guard_keeps_a_request_from_waiting_behind_a_long_queue_for_its_prefix() -> None:
+    """The weighted score values reuse above a request's own TTFT; the guard, when set,
+    bounds that trade while an idle pod could start the prompt at once."""
+    loads = {
+        "a": PodLoad(pending_prefill_tokens=80_000, pending_requests=1, inflight=1),
+        "b": PodLoad(),
+    }
+    keys = {"a": match(h=1990), "b": match()}
+    guarded = CostModel(P.model_copy(update={"tail_guard": 2.0}), 10, 1000)
+    d = choose_by_cost(guarded, 20_000, keys, loads)  # a's queue is 8 s, b recomputes 2 s
+    assert d.terms["a"].ttft_ms > 2.0 * d.terms["b"].ttft_ms + 2000.0
+    assert d.pod == "b" and d.reason == Reason.TAIL_GUARD and d.ranked == ["b", "a"]
+    # off by default: the weight (6 x 2 s of recompute) keeps it with its prefix
+    assert choose_by_cost(M, 20_000, keys, loads).pod == "a"
+    # a busy fastest pod leaves the weight to decide: recompute there delays its queue
+    loads["b"] = PodLoad(pending_prefill_tokens=1_000, pending_requests=1, inflight=1)
+    assert choose_by_cost(guarded, 20_000, keys, loads).pod == "a"
+    # within the slack the weight decides too: a short queue is worth a prefix
+    near = {"a": PodLoad(pending_prefill_tokens=4_000, pending_requests=1, inflight=1)}
+    near["b"] = PodLoad()
+    assert choose_by_cost(guarded, 2_000, {"a": match(h=190), "b": match()}, near).pod == "a"

@@ -27,6 +27,7 @@ P = CostParams(
     prefill_tokens_per_s=10_000.0,  # 0.1 ms per token
     running_step_ms_per_request=0.1,
     decode_step_ms=5.0,
+    prefill_attention_ms_per_mpair=0.0,  # linear prefill keeps the arithmetic readable
 )
 PD = PDSpec(
     links={

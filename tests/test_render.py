@@ -393,11 +393,14 @@ def test_a_generation_change_rolls_the_same_deployment() -> None:
             new = after[key]
             assert old["spec"]["selector"] == new["spec"]["selector"], key
             labels = new["spec"]["template"]["metadata"]["labels"]
-            if labels[N.LABEL_ROLE] in (Role.REDIS, Role.MOONCAKE):
-                # stores outlive generations: index keys carry the generation and
-                # age out, while a restart would drop every cached block at once
+            if labels[N.LABEL_ROLE] == Role.REDIS:
+                # the index outlives generations: its keys carry the generation and age
+                # out, while a restart would drop every pod's residency at once
                 assert old == new, key
                 continue
+            # a Mooncake master is recreated: not every engine's store keys carry the
+            # model's identity (SGLang's page hashes are of tokens alone), so KV of the
+            # old model must not be served to the new one
             assert old["spec"]["template"] != new["spec"]["template"], key
             if labels[N.LABEL_ROLE] in N.ENGINE_ROLES:
                 assert labels[N.LABEL_GENERATION] == "bbbbbbbbbbbb"
@@ -522,6 +525,39 @@ def test_python_hash_seed_is_accepted_by_cpython() -> None:
     for value in (derived, N.python_hash_seed("random"), N.python_hash_seed("99999999999")):
         env = {**os.environ, "PYTHONHASHSEED": value}
         subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+
+
+def test_a_revision_change_keeps_store_keys_apart() -> None:
+    """Every engine of a revision seeds its block hashes alike (P/D pods agree), another
+    revision seeds them differently (stores keyed by block hashes never mix revisions),
+    and the managed Mooncake master is recreated with the new generation (its in-memory
+    objects go)."""
+
+    def seeds_and_master(scenario: Scenario) -> tuple[set[str], str]:
+        objs = scenario.render()
+        seeds = {
+            e["value"]
+            for dep in _engines(scenario)
+            for e in _engine_container(dep)["env"]
+            if e["name"] == "PYTHONHASHSEED"
+        }
+        master = next(o for o in objs if o["metadata"]["name"] == f"{POOL}-mooncake")
+        assert master["kind"] == "Deployment"
+        assert master["spec"]["strategy"] == {"type": "Recreate"}
+        annotations = master["spec"]["template"]["metadata"]["annotations"]
+        return seeds, annotations[N.ANNOTATION_GENERATION]
+
+    scenario = BY_NAME["sglang-pd-hicache-mooncake"]
+    ipool = json.loads(json.dumps(scenario.ipool))
+    ipool["model"]["revision"] = "a" * 40
+    other = Scenario("x", ipool, scenario.decodes, scenario.prefill, scenario.tiers)
+    (seed,), generation = seeds_and_master(scenario)
+    (other_seed,), other_generation = seeds_and_master(other)
+    assert seed != other_seed and generation != other_generation
+    spec = scenario.spec()
+    assert seed == N.revision_hash_seed(spec.engine.hash_seed, spec.model.revision)
+    env = {**os.environ, "PYTHONHASHSEED": other_seed}  # CPython starts with it
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
 
 
 def test_tokenizer_fetch_copies_a_local_tokenizer(tmp_path: Path) -> None:

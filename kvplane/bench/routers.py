@@ -61,6 +61,7 @@ class ModelFacts:
     kv_bytes_per_token: int
     prefill_tokens_per_s: float
     decode_step_ms: float
+    prefill_attention_ms_per_mpair: float = 0.0
     dram: TierCost | None = None  # the engines' CPU tier, where they have one
     cost_set: dict[str, Any] = field(default_factory=dict)  # cost overrides (experiments)
     max_num_batched_tokens: int = 8192  # the engines' scheduler budget (peers register it)
@@ -94,6 +95,7 @@ def kvplane_config(
         "policy": policy,
         "cost": {
             "prefill_tokens_per_s": model.prefill_tokens_per_s,
+            "prefill_attention_ms_per_mpair": model.prefill_attention_ms_per_mpair,
             "decode_step_ms": model.decode_step_ms,
             **({"tiers": {"dram": model.dram.model_dump()}} if model.dram else {}),
             **model.cost_set,

@@ -396,6 +396,7 @@ def model_facts(
         max_model_len=131072,
         kv_bytes_per_token=prof.kv_bytes_per_token,
         prefill_tokens_per_s=cost.prefill_tokens_per_s,
+        prefill_attention_ms_per_mpair=cost.prefill_attention_ms_per_mpair,
         decode_step_ms=cost.decode_step_ms,
         dram=cost.tiers[Tier.DRAM] if prof.cpu_offload_blocks else None,
         cost_set=dict(cost_set or {}),
@@ -478,7 +479,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rundir = Path(tmp)
         model = _floor_model(args, builder, facts, rundir)
         if isinstance(model, floor.GridModel):  # kvplane calibrated to the mocker's prefill
-            facts = replace(facts, prefill_tokens_per_s=model.prefill_tokens_per_s())
+            rate = model.prefill_tokens_per_s()  # a linear fit: no attention term of its own
+            facts = replace(facts, prefill_tokens_per_s=rate, prefill_attention_ms_per_mpair=0.0)
             args.mocker_prefill_tokens_per_s = round(facts.prefill_tokens_per_s)
         for wname in csv_list(args.workloads):
             fl: floor.Floor | None = None

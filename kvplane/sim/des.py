@@ -96,7 +96,7 @@ def profile_for(name: str, block_size: int | None) -> EngineProfile:
 
 def cost_params_for(profile: EngineProfile) -> CostParams:
     """Cost parameters as an operator would calibrate them for this engine: its prefill
-    rate, decode step and CPU link; the rest at the router's defaults (the same
+    rate and attention, decode step and CPU link; the rest at the router's defaults (the same
     calibration the HTTP benchmark renders into the router's config)."""
     base = CostParams()
     tiers = dict(base.tiers)
@@ -104,6 +104,7 @@ def cost_params_for(profile: EngineProfile) -> CostParams:
     return base.model_copy(
         update={
             "prefill_tokens_per_s": profile.prefill_tokens_per_s,
+            "prefill_attention_ms_per_mpair": profile.attn_coeff * 1e6,
             "decode_step_ms": profile.decode_base_ms,
             "tiers": tiers,
         }

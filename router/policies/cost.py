@@ -3,7 +3,8 @@
 Every candidate is costed (``CostModel.predict``: queue + transfer of what sits in a
 slower tier + recompute of what is missing); the score weighs recompute by
 ``recompute_weight`` because every recomputed token also delays the requests queued
-behind it. Pods over the load cap go last; near-ties (within ``balance_band``) go to
+behind it; with ``tail_guard`` set, a pod predicted much slower than an idle one is not
+chosen for its reuse. Pods over the load cap go last; near-ties (within ``balance_band``) go to
 the pod sent the least prefill work lately, exact ties to fewer in flight.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from kvplane.router.config import CostParams
-from kvplane.router.cost import CostModel, PodLoad
+from kvplane.router.cost import CostModel, CostTerms, PodLoad, pending_prefill_ms
 from kvplane.router.index.base import PrefixMatches
 from kvplane.router.policies.base import BasePolicy, Decision, RoutingInput
 from kvplane.router.policies.registry import register
@@ -24,6 +25,7 @@ class CostReason:
     LOAD = "load_balance"  # no usable residency anywhere: cheapest queue wins
     LOAD_OVER_CACHE = "load_over_cache"  # a pod held more, but its queue cost more
     LOAD_CAP = "load_cap"  # the best-cached pod was over the load cap
+    TAIL_GUARD = "tail_guard"  # the best-cached pod's predicted TTFT was too far behind
 
 
 def over_cap(loads: Mapping[str, PodLoad], params: CostParams) -> set[str]:
@@ -33,6 +35,25 @@ def over_cap(loads: Mapping[str, PodLoad], params: CostParams) -> set[str]:
     mean = sum(ld.inflight for ld in loads.values()) / len(loads)
     limit = params.load_cap * mean + params.load_cap_slack
     return {pod for pod, ld in loads.items() if ld.inflight > limit}
+
+
+def too_slow(
+    terms: Mapping[str, CostTerms],
+    pods: list[str],
+    loads: Mapping[str, PodLoad],
+    params: CostParams,
+) -> set[str]:
+    """Pods predicted slower than ``tail_guard`` x the fastest of ``pods`` (and by more
+    than the slack) while that fastest pod has no prefill queued: the weighted score may
+    not pick them for their reuse. A busy fastest pod leaves the weight to decide."""
+    if params.tail_guard is None or not pods:
+        return set()
+    quickest = min(pods, key=lambda p: terms[p].ttft_ms)
+    if pending_prefill_ms(loads[quickest], params) > 0.0:
+        return set()
+    fastest = terms[quickest].ttft_ms
+    limit = max(fastest * params.tail_guard, fastest + params.tail_guard_slack_ms)
+    return {p for p in pods if terms[p].ttft_ms > limit}
 
 
 def choose_by_cost(
@@ -46,6 +67,8 @@ def choose_by_cost(
     terms = {p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p]) for p in pods}
     capped = over_cap(loads, params)
     eligible = [p for p in pods if p not in capped] or pods
+    slow = too_slow(terms, eligible, loads, params)
+    eligible = [p for p in eligible if p not in slow]
     w = params.recompute_weight
     score = {p: t.ttft_ms + (w - 1.0) * t.recompute_ms for p, t in terms.items()}
 
@@ -70,6 +93,8 @@ def choose_by_cost(
         reason = CostReason.LOAD
     elif most_cached in capped:
         reason = CostReason.LOAD_CAP
+    elif most_cached in slow and score[most_cached] < score[best]:
+        reason = CostReason.TAIL_GUARD
     else:
         reason = CostReason.LOAD_OVER_CACHE
     return Decision(best, reason, ranked, terms)
