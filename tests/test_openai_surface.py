@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvplane.router.config import RouterConfig
 from kvplane.router.responses import MemoryHomes, ResponseTap
-from support.redis_server import RedisServer
+from support.redis_server import RedisServer, start_redis
 from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
 
 from kvplane.sim.fleet import FleetConfig, SimFleet, running_fleet
@@ -275,6 +275,35 @@ def test_router_replicas_share_the_map_through_a_redis_index(
             )
             assert follow.headers["x-kvplane-pod"] == home
             assert follow.headers["x-kvplane-reason"] == "previous_response"
+
+
+def test_a_redis_that_cannot_answer_is_a_503_for_ids_this_replica_never_saw(
+    tokenizer_dir: Path, fleet: SimFleet
+) -> None:
+    """The replica's own map still continues what it relayed; an id only Redis could
+    name is a 503, not a 404 (the response may well exist)."""
+    server = start_redis()
+    index = {"backend": "redis", "url": server.url, "lookup_timeout_ms": 2000}
+    index["io_timeout_ms"] = 500
+    cfg = config(tokenizer_dir, fleet, index=index)
+    try:
+        with serve_router(cfg, embedded_indexer=False) as r:
+            c = client(r)
+            made = c.responses.with_raw_response.create(
+                model="tiny", input="before the outage", max_output_tokens=1
+            )
+            home, rid = made.headers["x-kvplane-pod"], made.parse().id
+            server.stop()
+            follow = c.responses.with_raw_response.create(
+                model="tiny", input="after", previous_response_id=rid, max_output_tokens=1
+            )
+            assert follow.headers["x-kvplane-pod"] == home
+            body = {"model": "tiny", "input": "x", "previous_response_id": "resp_elsewhere"}
+            refused = httpx.post(f"{r.url}/v1/responses", json=body, timeout=TIMEOUT)
+            assert refused.status_code == 503
+            assert "cannot answer" in error_of(refused)["message"]
+    finally:
+        server.stop()
 
 
 # ---- tokenize, detokenize, score, rerank ----------------------------------------------
