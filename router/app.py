@@ -274,7 +274,7 @@ def create_app(
     app = _RouterApp(router.gate, title="kvplane router", lifespan=lifespan)
     app.state.router = router
     app.state.registry = registry
-    app.openapi = lambda: router_openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: router_openapi(app, ROUTES)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:

@@ -343,6 +343,14 @@ def test_score_and_rerank(router: RunningRouter) -> None:
     assert r.status_code == 400 and error_of(r)["param"] == "query"
 
 
+def test_the_schema_lists_every_forwarded_route(router: RunningRouter) -> None:
+    paths = httpx.get(f"{router.url}/openapi.json", timeout=TIMEOUT).json()["paths"]
+    for path in (*FIELDS, "/score", "/rerank", "/v2/rerank"):
+        assert "requestBody" in paths[path]["post"], path
+    assert "get" in paths["/v1/responses/{response_id}"]
+    assert "post" in paths["/v1/responses/{response_id}/cancel"]
+
+
 # ---- the response map ------------------------------------------------------------------
 
 
