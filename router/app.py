@@ -51,7 +51,6 @@ from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
 from kvplane.router.tracing import OFF, Tracing
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -503,12 +502,15 @@ async def _at_home(
     kind = answer.headers.get("content-type")
     if kind:
         headers["content-type"] = kind
-    return StreamingResponse(
-        answer.aiter_raw(),
-        answer.status_code,
-        headers,
-        background=BackgroundTask(answer.aclose),
-    )
+
+    async def relayed() -> AsyncIterator[bytes]:
+        try:  # closed also when the client leaves mid-way (no background task runs then)
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        finally:
+            await answer.aclose()
+
+    return StreamingResponse(relayed(), answer.status_code, headers)
 
 
 def _disclose_response(response: Response, level: Disclosure) -> None:
