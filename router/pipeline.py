@@ -273,8 +273,10 @@ class RoutingPipeline:
     async def route_by_load(self, req: ParsedRequest, only: str | None = None) -> Routed:
         """A request with no prompt a pod could hold cached (embeddings, scores,
         tokenization, tool-call turns): the least loaded pod, or ``only``. Its size is
-        estimated from the body (a token is about four bytes of JSON text)."""
-        prompt = Prompt([], [], req.size // 4)
+        estimated from the body (a token is about four bytes of JSON text); tokenizing
+        puts none on the engine's model."""
+        computes = req.kind not in ("tokenize", "detokenize")
+        prompt = Prompt([], [], req.size // 4 if computes else 0)
         return await self.decide(prompt, policy=self.by_load, only=only)
 
     async def decide(
