@@ -136,6 +136,16 @@ class RouterCost(Model):
     running_step_ms_per_request: Annotated[float, Field(ge=0)] = _router_default(
         "running_step_ms_per_request"
     )
+    prefill_attention_ms_per_mpair: Annotated[float, Field(ge=0)] = Field(
+        default=_router_default("prefill_attention_ms_per_mpair"),
+        description="prefill attention, ms per million (new x context) token pairs: "
+        "(1000 / prefillTokensPerS) x 2 x layers x hidden / parameters for the model",
+    )
+    tail_guard: Annotated[float, Field(ge=1)] | None = Field(
+        default=None,
+        description="bound on what reuse may cost a request's own TTFT while a pod is "
+        "idle (off when unset; 2 suits pools with a DRAM tier, docs/router.md)",
+    )
     load_cap: Annotated[float, Field(ge=1)] = _router_default("load_cap")
     tentative_ttl_s: Annotated[float, Field(gt=0)] = _router_default("tentative_ttl_s")
 
@@ -441,7 +451,8 @@ class TierBackend(StrEnum):
 
 class Eviction(StrEnum):
     LRU = "lru"
-    ARC = "arc"
+    ARC = "arc"  # recency and frequency: vLLM's OffloadingConnector
+    LFU = "lfu"  # frequency: LMCache's cache_policy for its local tiers
 
 
 class Compression(StrEnum):
@@ -482,9 +493,12 @@ class KVCacheTierSpec(Model):
             "s3 tiers need a region (LMCache's S3 connector requires s3_region)",
         ),
         cel(
-            "self.evictionPolicy == 'lru' || (self.tier == 'dram' && self.backend == 'native')",
-            "evictionPolicy arc is honoured only by vLLM's native CPU offload (dram, native): "
-            "LMCache, the remote stores and the engines' own pools evict by their own policy",
+            "self.evictionPolicy == 'lru'"
+            " || (self.evictionPolicy == 'arc' && self.tier == 'dram' && self.backend == 'native')"
+            " || (self.evictionPolicy == 'lfu' && self.backend == 'lmcache')",
+            "evictionPolicy arc is honoured only by vLLM's native CPU offload (dram, native) "
+            "and lfu only by LMCache's local tiers (backend lmcache): the remote stores and "
+            "the engines' own pools evict by their own policy",
         ),
         cel(
             "self.compression == 'none' || self.tier == 'remote'",

@@ -182,6 +182,14 @@ def test_long_names_and_tensor_parallel_pools_are_accepted(
         (
             obj(
                 "KVCacheTier",
+                "native-lfu",
+                {"tier": "dram", "backend": "native", "evictionPolicy": "lfu", "bandwidthGbps": 5},
+            ),
+            "lfu only by LMCache's local tiers",
+        ),
+        (
+            obj(
+                "KVCacheTier",
                 "dram-cachegen",
                 {"tier": "dram", "compression": "cachegen", "bandwidthGbps": 5},
             ),

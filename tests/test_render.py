@@ -575,6 +575,35 @@ def test_tokenizer_fetch_copies_a_local_tokenizer(tmp_path: Path) -> None:
     assert result.returncode != 0 and b"no tokenizer files" in result.stderr
 
 
+def test_router_cost_calibration_renders_into_the_router_config() -> None:
+    scenario = BY_NAME["vllm-aggregated"]
+    config = router_config(POOL, NAMESPACE, scenario.spec(), [], "g")
+    assert "tail_guard" not in config["cost"]  # off: the router's default
+    assert config["cost"]["prefill_attention_ms_per_mpair"] == pytest.approx(1.09)
+    ipool = json.loads(json.dumps(scenario.ipool))
+    ipool.setdefault("router", {})["cost"] = {
+        "tailGuard": 2,
+        "prefillAttentionMsPerMpair": 0.5,
+    }
+    spec = InferencePoolSpec.model_validate(ipool)
+    cost = RouterConfig.model_validate(router_config(POOL, NAMESPACE, spec, [], "g")).cost
+    assert cost.tail_guard == 2.0 and cost.prefill_attention_ms_per_mpair == 0.5
+
+
+def test_lmcache_tiers_render_lfu_as_its_cache_policy() -> None:
+    dram = _tier(tier="dram", backend="lmcache", capacityPerPod="8Gi", evictionPolicy="lfu")
+    nvme = _tier(tier="nvme", backend="lmcache", capacityPerPod="100Gi", evictionPolicy="lfu")
+    assert yaml.safe_load(lmcache_config([dram, nvme]))["cache_policy"] == "LFU"
+    lru = _tier(tier="dram", backend="lmcache", capacityPerPod="8Gi")
+    assert "cache_policy" not in yaml.safe_load(lmcache_config([lru]))  # LMCache's LRU
+    with pytest.raises(RenderError, match="one cache_policy"):
+        lmcache_config([lru, nvme])
+    native = _tier(tier="dram", capacityPerPod="8Gi", evictionPolicy="lfu")
+    pod = EnginePod(_ipool(), Role.DECODE, EnginePoolSpec.model_validate(_pool()), [native])
+    with pytest.raises(RenderError, match="cannot honour evictionPolicy lfu"):
+        vllm_args(pod)
+
+
 def test_router_config_reads_tiers_and_index() -> None:
     scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
     config = router_config(POOL, NAMESPACE, scenario.spec(), scenario.tier_specs(), "g")

@@ -75,6 +75,11 @@ def _pd_connector(role: Role, transfer: KVTransfer) -> Json:
 
 
 def _offloading_connector(tier: KVCacheTierSpec) -> Json:
+    if tier.eviction_policy not in (Eviction.LRU, Eviction.ARC):  # CEL refuses it too
+        raise RenderError(
+            f"vLLM's CPU offload cannot honour evictionPolicy {tier.eviction_policy.value}: "
+            "use lru or arc"
+        )
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
