@@ -6,7 +6,8 @@ Compared: KV-event wire shape (msgpack map-tagged events, field names, order and
 types), block hash values and parent chaining of prompt blocks, the metric families
 the simulator exposes (a subset of vLLM's, same types and labels), response JSON
 schemas (completions, chat, stream chunks, usage, /tokenize, /v1/models,
-/kv_event_sources, /v1/responses and its events, errors), token ids, and cached-token counts for repeated prefixes.
+/kv_event_sources, /v1/responses and its events, errors), token ids, and cached-token
+counts for repeated prefixes.
 """
 
 from __future__ import annotations
