@@ -371,6 +371,19 @@ class ServerSpec(_Strict):
     )
 
 
+class ResponsesSpec(_Strict):
+    """Where ``previous_response_id`` goes: vLLM keeps a stored response in the process
+    that made it, so the router remembers which pod answered each response id."""
+
+    max_entries: Annotated[int, Field(ge=1)] = Field(
+        default=100_000,
+        description="response ids remembered (in memory: least recently used go first)",
+    )
+    ttl_s: Annotated[float, Field(gt=0)] = Field(
+        default=3600.0, description="a response id is forgotten this long after its answer"
+    )
+
+
 class RouterConfig(_Strict):
     model: ModelSpec
     backends: list[Backend] = Field(default_factory=list)
@@ -415,6 +428,7 @@ class RouterConfig(_Strict):
     auth: AuthSpec = Field(default_factory=AuthSpec)
     server: ServerSpec = Field(default_factory=ServerSpec)
     tracing: TracingConfig | None = Field(default=None, description="off when absent")
+    responses: ResponsesSpec = Field(default_factory=ResponsesSpec)
 
     @field_validator("policy")
     @classmethod

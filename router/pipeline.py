@@ -20,7 +20,7 @@ from kvplane.router.config import BackendRole, RouterConfig
 from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
-from kvplane.router.policies import Decision, RoutingInput, make_policy, route
+from kvplane.router.policies import Decision, Policy, RoutingInput, make_policy, route
 from kvplane.router.policies.sticky import index_down
 from kvplane.router.pool import Pool
 from kvplane.router.request import ParsedRequest
@@ -138,6 +138,7 @@ class RoutingPipeline:
         self.roots = {a: adapter_root(self.root, a) for a in config.model.lora_adapters}
         self.cost = CostModel.of(config)
         self.policy = make_policy(config.policy, self.cost, config.policy_options)
+        self.by_load = make_policy("least_loaded", self.cost)  # requests with no prompt
         self._tokenize_seconds = metrics.tokenize.labels(**metrics.labels)  # labels() costs µs
         # id(ids of a cached prompt) -> (opening special ids, chain root) -> block keys; an
         # entry goes when the token cache lets go of those ids (weakref.finalize)
@@ -157,7 +158,7 @@ class RoutingPipeline:
         """The text to encode (a chat rendered through its template) or given token ids.
         The served template renders off the event loop unless the body is small; a
         request's own template only where trusted, in a worker process, time-bounded."""
-        if req.kind != "chat":
+        if req.messages is None:
             return prompt_source(req.prompt), req.add_special_tokens
         assert req.messages is not None and req.chat is not None
         if request_template(req.chat) is None:
@@ -236,7 +237,7 @@ class RoutingPipeline:
     async def prompt(self, req: ParsedRequest, defer_tail: bool = False) -> Prompt:
         """The request's tokens and block keys; a prompt the model cannot take is a 400."""
         start = time.perf_counter()
-        param = "messages" if req.kind == "chat" else "prompt"
+        param = {"chat": "messages", "responses": "input"}.get(req.kind, "prompt")
         limit = self.config.model.max_model_len
         adapter = self.adapter(req.model)
         root = self.roots[adapter] if adapter is not None else self.root
@@ -279,13 +280,35 @@ class RoutingPipeline:
     ) -> Routed:
         return await self.decide(await self.prompt(req, defer_tail), exclude)
 
-    async def decide(self, prompt: Prompt, exclude: frozenset[str] = frozenset()) -> Routed:
+    async def route_by_load(self, req: ParsedRequest, only: str | None = None) -> Routed:
+        """A request with no prompt a pod could hold cached (embeddings, scores,
+        tokenization, tool-call turns): the least loaded pod, or ``only``. Its size is
+        estimated from the body (a token is about four bytes of JSON text); tokenizing
+        puts none on the engine's model."""
+        computes = req.kind not in ("tokenize", "detokenize")
+        prompt = Prompt([], [], req.size // 4 if computes else 0)
+        return await self.decide(prompt, policy=self.by_load, only=only)
+
+    async def decide(
+        self,
+        prompt: Prompt,
+        exclude: frozenset[str] = frozenset(),
+        policy: Policy | None = None,
+        only: str | None = None,
+    ) -> Routed:
+        """``only``: the one pod the request may go to (it holds state no other has)."""
         states = self.pool.states
         pods = [
             p
             for p in self.pool.healthy()
-            if p not in exclude and states[p].backend.role is not BackendRole.PREFILL
+            if p not in exclude
+            and states[p].backend.role is not BackendRole.PREFILL
+            and (only is None or p == only)
         ]
+        if only is not None and not pods:
+            raise APIError(
+                503, f"backend {only}, which holds the state this request needs, is unavailable"
+            )
         if not pods:
             raise APIError(
                 503,
@@ -297,7 +320,9 @@ class RoutingPipeline:
             prompt.n_tokens, prompt.tokens, prompt.keys, loads, adapter=prompt.adapter
         )
         with tracing.span("kvplane.choose"):
-            decision, matches = await route(self.policy, self.index, inp, self._index_down)
+            decision, matches = await route(
+                policy or self.policy, self.index, inp, self._index_down
+            )
             if tracing.on():
                 tracing.set_attributes(
                     pod=decision.pod, reason=decision.reason, prompt_tokens=prompt.n_tokens

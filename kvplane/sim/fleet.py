@@ -60,6 +60,7 @@ class FleetConfig:
     lora_modules: Sequence[str] = ()  # LoRA adapters, name=path (vLLM --lora-modules)
     max_loras: int = 1  # adapters in one batch (vLLM --max-loras)
     lora_load_ms: float = 5.0  # simulated: an adapter entering a GPU slot
+    pooling: bool = False  # serve embeddings, score, rerank (vLLM: --runner pooling)
 
 
 def resolve_profile(cfg: FleetConfig) -> EngineProfile:
@@ -146,6 +147,7 @@ class SimFleet:
                 pd_link_gbps=cfg.pd_link_gbps,
                 bootstrap_port=port(cfg.bootstrap_base_port) if role == "prefill" else None,
                 lora=lora,
+                pooling=cfg.pooling,
             )
             self.engines.append(SimEngine(ecfg, self.tokenizer, self.output, self.registry))
 

@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hash-seed", default=None, help="NONE_HASH seed (vLLM: PYTHONHASHSEED)")
     p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument(
+        "--runner",
+        default="generate",
+        choices=["generate", "pooling"],
+        help="pooling: also serve /v1/embeddings, /v1/score, /v1/rerank (as vLLM's flag)",
+    )
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -112,6 +118,7 @@ def fleet_config(a: argparse.Namespace) -> FleetConfig:
         lora_modules=a.lora_modules,
         max_loras=a.max_loras,
         lora_load_ms=a.lora_load_ms,
+        pooling=a.runner == "pooling",
     )
 
 

@@ -29,7 +29,7 @@ from typing import Any, Final
 
 from kvplane.router.tokens import ChatFormatError, ChatOptions, PromptTokenizer
 from kvplane.sim import openai_api as api
-from kvplane.sim import pd
+from kvplane.sim import pd, surface
 from kvplane.sim.engine import EngineCore, EngineStats, SimRequest, StepOutput
 from kvplane.sim.hashing import block_hashes
 from kvplane.sim.httpd import HttpServer, Request, Response, StreamingResponse
@@ -85,6 +85,9 @@ class SimEngineConfig:
     pd_link_gbps: float = 50.0  # GB/s between engines for P/D KV transfers
     bootstrap_port: int | None = None  # Mooncake/SGLang bootstrap (prefill engines)
     lora: LoraConfig | None = None  # LoRA adapters served (vLLM --enable-lora)
+    # serve /v1/embeddings, /v1/score, /v1/rerank too (vLLM serves them for a pooling
+    # model, --runner pooling; a generative one answers them 404)
+    pooling: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -439,6 +442,18 @@ class SimEngine:
         self.counters.requests += 1
         self._wake.set()
 
+    def start_generation(self, ids: list[int], max_tokens: int, public_id: str) -> _Gen:
+        """One sequence generated for a request of another endpoint (``surface``)."""
+        gen = _Gen()
+        rid = f"{public_id}-0-{self.next_id()}"
+        sub = _Sub(rid, 0, len(ids), max_tokens, gen, time.monotonic())
+        try:
+            self.submit(gen, sub, ids, None)
+        except ValueError as exc:
+            self.abort(gen)
+            raise api.ApiError(400, str(exc)) from exc
+        return gen
+
     def abort(self, gen: _Gen) -> None:
         plan = gen.plan
         unfinished = any(s.finish is None for s in gen.subs)
@@ -604,12 +619,15 @@ class SimEngine:
         r["GET", "/get_server_info"] = r["GET", "/server_info"] = self._server_info
         r["GET", "/get_model_info"] = r["GET", "/model_info"] = self._model_info
         r["GET", "/sim/stats"] = self._sim_stats
+        surface.register(self, r)  # embeddings, score, rerank, responses
 
     async def handle(self, req: Request) -> Response | StreamingResponse:
         method = "GET" if req.method == "HEAD" else req.method
         key = f"{req.method} {req.path}"
         self.http_requests[key] = self.http_requests.get(key, 0) + 1
         fn = self.routes.get((method, req.path)) or self.extra_routes.get((method, req.path))
+        if fn is None and method == "GET" and req.path.startswith(surface.RESPONSE_PREFIX):
+            fn = self.routes.get((method, surface.RESPONSE_PREFIX + "{id}"))
         if fn is None:
             if any(path == req.path for _, path in (*self.routes, *self.extra_routes)):
                 return api.method_not_allowed()
