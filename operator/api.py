@@ -83,12 +83,46 @@ class ModelShape(Model):
         return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
 
 
+LORA_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}$"  # no '=', ',' or quotes: flags, labels
+
+
+class LoraAdapter(Model):
+    """A LoRA adapter the engines load at start (vLLM ``--lora-modules name=path``,
+    SGLang ``--lora-paths name=path``); requests name it as their ``model``."""
+
+    name: Annotated[
+        str,
+        Field(
+            max_length=128,
+            pattern=LORA_NAME,
+            description="the `model` clients send for this adapter",
+        ),
+    ]
+    source: Annotated[
+        str,
+        Field(
+            min_length=1,
+            max_length=1024,
+            pattern=r"^[^\s,]+$",
+            description="the adapter's weights: a path in the image/volume, or a hub id",
+        ),
+    ]
+
+
 class ModelIdentity(Model):
     model_config = validated(
         cel(
             "has(self.shape) != has(self.kvBytesPerToken)",
             "set exactly one of shape and kvBytesPerToken",
-        )
+        ),
+        cel(
+            "!has(self.loraAdapters) || !self.loraAdapters.exists(a, a.name == self.servedName)",
+            "an adapter's name differs from servedName",
+        ),
+        cel(
+            "!has(self.maxLoras) || (has(self.loraAdapters) && size(self.loraAdapters) > 0)",
+            "maxLoras needs loraAdapters",
+        ),
     )
 
     served_name: Annotated[str, Field(min_length=1, description="the `model` clients send")]
@@ -100,6 +134,33 @@ class ModelIdentity(Model):
     shape: ModelShape | None = None
     kv_bytes_per_token: Annotated[int, Field(ge=1)] | None = None
     max_model_len: Annotated[int, Field(ge=1)] | None = None
+    lora_adapters: Annotated[
+        list[LoraAdapter],
+        Field(  # names unique: the API server checks a map-type list's keys
+            max_length=64,
+            json_schema_extra={
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["name"],
+            },
+        ),
+    ] = Field(
+        default_factory=list,
+        description="LoRA adapters served on the same pods; a request names one as its model",
+    )
+    max_loras: Annotated[int, Field(ge=1, le=64)] | None = Field(
+        default=None,
+        description="adapters in one batch (vLLM --max-loras, SGLang --max-loras-per-batch); "
+        "default the engine's",
+    )
+
+    @model_validator(mode="after")
+    def _unique_adapters(self) -> ModelIdentity:
+        names = [a.name for a in self.lora_adapters]
+        if len(set(names)) != len(names) or self.served_name in names:
+            raise ValueError("adapter names are unique and differ from servedName")
+        if self.max_loras is not None and not names:
+            raise ValueError("maxLoras needs loraAdapters")
+        return self
 
     def kv_bytes(self) -> int:
         if self.kv_bytes_per_token is not None:
@@ -135,6 +196,16 @@ class RouterCost(Model):
     prefill_tokens_per_s: Annotated[float, Field(gt=0)] = _router_default("prefill_tokens_per_s")
     running_step_ms_per_request: Annotated[float, Field(ge=0)] = _router_default(
         "running_step_ms_per_request"
+    )
+    prefill_attention_ms_per_mpair: Annotated[float, Field(ge=0)] = Field(
+        default=_router_default("prefill_attention_ms_per_mpair"),
+        description="prefill attention, ms per million (new x context) token pairs: "
+        "(1000 / prefillTokensPerS) x 2 x layers x hidden / parameters for the model",
+    )
+    tail_guard: Annotated[float, Field(ge=1)] | None = Field(
+        default=None,
+        description="bound on what reuse may cost a request's own TTFT while a pod is "
+        "idle (off when unset; 2 suits pools with a DRAM tier, docs/router.md)",
     )
     load_cap: Annotated[float, Field(ge=1)] = _router_default("load_cap")
     tentative_ttl_s: Annotated[float, Field(gt=0)] = _router_default("tentative_ttl_s")
@@ -441,7 +512,8 @@ class TierBackend(StrEnum):
 
 class Eviction(StrEnum):
     LRU = "lru"
-    ARC = "arc"
+    ARC = "arc"  # recency and frequency: vLLM's OffloadingConnector
+    LFU = "lfu"  # frequency: LMCache's cache_policy for its local tiers
 
 
 class Compression(StrEnum):
@@ -482,9 +554,12 @@ class KVCacheTierSpec(Model):
             "s3 tiers need a region (LMCache's S3 connector requires s3_region)",
         ),
         cel(
-            "self.evictionPolicy == 'lru' || (self.tier == 'dram' && self.backend == 'native')",
-            "evictionPolicy arc is honoured only by vLLM's native CPU offload (dram, native): "
-            "LMCache, the remote stores and the engines' own pools evict by their own policy",
+            "self.evictionPolicy == 'lru'"
+            " || (self.evictionPolicy == 'arc' && self.tier == 'dram' && self.backend == 'native')"
+            " || (self.evictionPolicy == 'lfu' && self.backend == 'lmcache')",
+            "evictionPolicy arc is honoured only by vLLM's native CPU offload (dram, native) "
+            "and lfu only by LMCache's local tiers (backend lmcache): the remote stores and "
+            "the engines' own pools evict by their own policy",
         ),
         cel(
             "self.compression == 'none' || self.tier == 'remote'",

@@ -13,7 +13,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -22,7 +22,7 @@ from kvplane.router import runtime, tracing
 from kvplane.router.auth import ROLE_KEY, Disclosure, Gate, Role, disclose, disclosure
 from kvplane.router.config import RouterConfig
 from kvplane.router.discovery import Discovery, StaticDiscovery
-from kvplane.router.errors import APIError
+from kvplane.router.errors import APIError, describe
 from kvplane.router.forwarder import Forwarder
 from kvplane.router.generation import generation_tag
 from kvplane.router.headers import HeaderPolicy
@@ -39,7 +39,14 @@ from kvplane.router.pd.handoff import PDService
 from kvplane.router.pipeline import Routed, RoutingPipeline
 from kvplane.router.pool import Pool, Scraper
 from kvplane.router.proxy import Dispatch, Proxy
-from kvplane.router.request import parse_request
+from kvplane.router.request import ParsedRequest, parse_request
+from kvplane.router.responses import (
+    MemoryHomes,
+    ResponseHomes,
+    ResponseTap,
+    SharedHomes,
+    not_found,
+)
 from kvplane.router.shared import SharedStores
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
@@ -47,7 +54,7 @@ from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
 from kvplane.router.tracing import OFF, Tracing
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import ClientDisconnect
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
@@ -92,6 +99,35 @@ def make_redis_index(config: RouterConfig, generation: str, owner: str | None = 
     )
 
 
+# The OpenAI and vLLM endpoints the router forwards: (request kind, path). Completions,
+# chat and responses are routed by their prompt's cached prefix; the rest by load
+# (request.LOAD_ROUTED); a response continued by ``previous_response_id`` to the pod
+# that stored it. vLLM's aliases are routes of their own, forwarded under their path.
+ROUTES: tuple[tuple[str, str], ...] = (
+    ("completions", "/v1/completions"),
+    ("chat", "/v1/chat/completions"),
+    ("responses", "/v1/responses"),
+    ("embeddings", "/v1/embeddings"),
+    ("tokenize", "/tokenize"),
+    ("detokenize", "/detokenize"),
+    ("score", "/v1/score"),
+    ("score", "/score"),
+    ("rerank", "/v1/rerank"),
+    ("rerank", "/rerank"),
+    ("rerank", "/v2/rerank"),
+)
+
+
+def make_homes(config: RouterConfig, index: ResidencyIndex) -> ResponseHomes:
+    """Where stored responses live (responses.py): this replica's map, shared with the
+    other replicas through the index when the index is in Redis."""
+    spec = config.responses
+    local = MemoryHomes(spec.max_entries, spec.ttl_s)
+    if isinstance(index, RedisIndex):
+        return SharedHomes(index.nodes, index.names.prefix, local, spec.ttl_s)
+    return local
+
+
 def make_discovery(config: RouterConfig) -> Discovery:
     """Kubernetes pod discovery when configured, else the static backend list."""
     if config.discovery is None:
@@ -122,6 +158,23 @@ class Router:
     pd: PDService | None = None  # the P/D path, when config.pd is set
     metric_children: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     tracing: Tracing = OFF  # OpenTelemetry spans per request (config.tracing)
+    homes: ResponseHomes | None = None  # response id -> pod (previous_response_id)
+
+    async def route(self, req: ParsedRequest) -> Routed:
+        """The pod for a request: where its prompt's prefix is cached, the least loaded
+        for a request with no such prompt, the one that stored the response it
+        continues (a 404 in vLLM's words when none known does)."""
+        prev = req.previous_response_id
+        if prev is not None:
+            assert self.homes is not None
+            home = await self.homes.get(prev)
+            if home is None or home not in self.pool.states:
+                raise not_found(prev)
+            routed = await self.pipeline.route_by_load(req, only=home)
+            return replace(routed, decision=replace(routed.decision, reason="previous_response"))
+        if req.by_load:
+            return await self.pipeline.route_by_load(req)
+        return await self.pipeline.route(req, defer_tail=True)
 
 
 def build_router(
@@ -166,6 +219,7 @@ def build_router(
         HeaderPolicy.of(config),
     )
     router.tracing = Tracing.of(config.tracing, config.pool)
+    router.homes = make_homes(config, index)
     if config.pd is not None:
         router.pd = PDService(config, pipeline, pool, index, metrics, client)
     pool.on_demote = lambda pod: metrics.demotions.labels(**metrics.labels, pod=pod).inc()
@@ -184,7 +238,7 @@ def _headers(
     out["x-kvplane-reason"] = d.reason if pod == d.pod else f"retry_after_{d.pod}"
     out["x-kvplane-attempts"] = str(attempts)
     whole = routed.prompt.whole()  # None: a deferred tail still being encoded
-    if whole is not None:
+    if whole is not None and whole[0]:  # none for a request routed by load
         out["x-kvplane-prompt-tokens"] = str(len(whole[0]))
     terms = d.terms.get(pod)
     if terms is not None and level is Disclosure.ALL:  # residency: admins only
@@ -230,7 +284,7 @@ def create_app(
     app = _RouterApp(router.gate, title="kvplane router", lifespan=lifespan)
     app.state.router = router
     app.state.registry = registry
-    app.openapi = lambda: router_openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: router_openapi(app, ROUTES)  # type: ignore[method-assign]
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> Response:
@@ -247,15 +301,15 @@ def create_app(
         try:
             raw = await _read_body(scope, receive, config.server.max_body_bytes)
             req = parse_request(raw, kind)
-            router = registry.resolve(req.model)
-            if router.pd is not None:
+            router = registry.resolve(req.model) if req.model else registry_default
+            if router.pd is not None and kind in ("chat", "completions"):
                 headers = router.header_policy.forward(raw_headers, request_id)
                 response = await router.pd.serve(req, path, headers, request_id, received)
                 _disclose_response(response, level)
                 status = str(response.status_code)
                 await response(scope, receive, send)
                 return
-            routed = await router.pipeline.route(req, defer_tail=True)
+            routed = await router.route(req)
             router.metrics.chose(routed.decision.terms.get(routed.decision.pod), req.max_tokens)
             answer = Answer(router, routed, request_id, level)
             with tracing.span("kvplane.proxy", True):
@@ -265,6 +319,9 @@ def create_app(
                     tracing.headers(raw_headers), request_id.encode("latin-1")
                 )
                 dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
+                if req.kind == "responses" and req.store and router.homes is not None:
+                    tap = ResponseTap(router.homes, req.stream, answer.served)
+                    dispatch = replace(dispatch, tap=tap)
                 _child(router, router.metrics.added, *router.metrics.labels.values()).observe(
                     time.perf_counter() - received
                 )
@@ -294,7 +351,7 @@ def create_app(
     registry_default = router
     # Raw ASGI endpoints on the hot path: no Request object, no response object, and
     # dispatched ahead of FastAPI's middleware stack. Also routes, for 405 on GET.
-    for kind, path in (("completions", "/v1/completions"), ("chat", "/v1/chat/completions")):
+    for kind, path in ROUTES:
         endpoint = _Endpoint(handle, kind, path)
         app.hot_routes[path] = endpoint
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
@@ -312,6 +369,15 @@ def create_app(
         except APIError as exc:
             return exc.response()
         return JSONResponse(_explain_body(pool, routed))
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str, request: Request) -> Response:
+        """A stored response (``?stream=true``: its events again), from the pod storing it."""
+        return await _at_home(registry, request, response_id, "")
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str, request: Request) -> Response:
+        return await _at_home(registry, request, response_id, "/cancel")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -413,6 +479,51 @@ def _request_id(raw_headers: list[tuple[bytes, bytes]]) -> str:
 _PRINTABLE = re.compile(rb"[\x21-\x7e]+")
 
 
+async def _at_home(
+    registry: ModelRegistry, request: Request, response_id: str, action: str
+) -> Response:
+    """A request about one stored response, relayed to the pod that stored it (streamed
+    back as it comes); a 404 in vLLM's words when no pool knows the id."""
+    for router in registry:
+        home = await router.homes.get(response_id) if router.homes is not None else None
+        if home is not None and home in router.pool.states:
+            break
+    else:
+        error = not_found(response_id)
+        error.param = "response_id"
+        return error.response()
+    state = router.pool.states[home]
+    if not state.healthy:
+        return APIError(
+            503, f"backend {home}, which stored the response, is unavailable"
+        ).response()
+    request_id = _request_id(request.scope["headers"])
+    upstream = router.client.build_request(
+        request.method,
+        f"{state.backend.url.rstrip('/')}/v1/responses/{response_id}{action}",
+        params=request.query_params,
+        headers=router.header_policy.forward(request.scope["headers"], request_id),
+        content=await request.body(),
+    )
+    try:
+        answer = await router.client.send(upstream, stream=True)
+    except httpx.HTTPError as exc:
+        return APIError(502, f"backend {home}: {describe(exc)}").response()
+    headers = {"x-request-id": request_id}
+    kind = answer.headers.get("content-type")
+    if kind:
+        headers["content-type"] = kind
+
+    async def relayed() -> AsyncIterator[bytes]:
+        try:  # closed also when the client leaves mid-way (no background task runs then)
+            async for chunk in answer.aiter_raw():
+                yield chunk
+        finally:
+            await answer.aclose()
+
+    return StreamingResponse(relayed(), answer.status_code, headers)
+
+
 def _disclose_response(response: Response, level: Disclosure) -> None:
     """Drop the headers of a prepared response that the caller may not see."""
     if level is Disclosure.ALL:
@@ -457,6 +568,10 @@ class Answer:
         )
         ttft = {p: t.ttft_ms / 1000 for p, t in d.terms.items()}
         return Dispatch(path, body, lines, d.ranked, uncached, n, stream, self, ttft)
+
+    def served(self) -> str | None:
+        """The pod whose answer is being relayed (None before one answered)."""
+        return self._served
 
     def headers_for(self, pod: str, attempts: int) -> dict[str, str]:
         self._served = pod
@@ -523,6 +638,7 @@ def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
                 transfer_ms=t.transfer_ms,
                 recompute_ms=t.recompute_ms,
                 ttft_ms=t.ttft_ms,
+                adapter_ms=t.adapter_ms,
                 cached_tokens=t.cached_tokens,
                 loaded_tokens={k.value: v for k, v in t.loaded_from.items()},
                 loaded_ms={k.value: v for k, v in t.loaded_ms.items()},
@@ -570,10 +686,20 @@ async def _models(router: Router) -> dict[str, Any]:
         for d in data:
             seen.setdefault(d["id"], d)
     if not seen:
-        seen[router.config.model.name] = {
-            "id": router.config.model.name,
+        model = router.config.model
+        created = int(time.time())
+        seen[model.name] = {
+            "id": model.name,
             "object": "model",
-            "created": int(time.time()),
+            "created": created,
             "owned_by": "kvplane",
         }
+        for adapter in model.lora_adapters:  # as vLLM lists an adapter: its base is parent
+            seen[adapter] = {
+                "id": adapter,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvplane",
+                "parent": model.name,
+            }
     return {"object": "list", "data": list(seen.values())}

@@ -4,6 +4,12 @@ A key is xxh3_64 over one full block of token ids (uint32 little-endian),
 seeded with the previous block's key; the first block is seeded with the
 generation's root. Equal prefixes give equal keys on every replica, and two
 generations never share a key because their roots differ.
+
+A LoRA adapter's blocks chain from the adapter's own root (``adapter_root``), as
+vLLM folds ``("lora", name, path)`` into every block hash of an adapter request
+(``vllm/v1/core/kv_cache_utils.py``): a base-model block and an adapter block of the
+same tokens never share a key, nor do two adapters'. The name alone picks the root,
+because the engine's KV events carry the adapter's name (``lora_name``), not its path.
 """
 
 from array import array
@@ -15,6 +21,13 @@ import xxhash
 def generation_root(generation: str) -> int:
     """The seed of a chain: a pure function of the pool's generation tag."""
     return xxhash.xxh3_64_intdigest(generation.encode())
+
+
+def adapter_root(root: int, adapter: str | None) -> int:
+    """The chain root of ``adapter``'s blocks (``root`` itself for the base model)."""
+    if adapter is None:
+        return root
+    return xxhash.xxh3_64_intdigest(b"lora\x00" + adapter.encode(), root)
 
 
 def chain_keys(

@@ -42,6 +42,11 @@ class ModelSpec(_Strict):
         description="token ids of recent prompts kept for exact prefix reuse (4 bytes each, "
         "plus their block keys); 0 turns reuse off",
     )
+    lora_adapters: list[str] = Field(
+        default_factory=list,
+        description="names of the LoRA adapters the engines serve (vLLM --lora-modules); a "
+        "request whose model is one of them is routed in this pool, keyed in its own namespace",
+    )
     generation: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9._-]{1,64}$",  # a part of the index's key names
@@ -150,6 +155,17 @@ class CostParams(_Strict):
     tentative_ttl_s: Annotated[float, Field(gt=0)] = 10.0
     sticky_tokens: Annotated[int, Field(gt=0)] = Field(
         default=2048, description="sticky hashing anchors on the key of this many leading tokens"
+    )
+    adapter_load_ms: Annotated[float, Field(ge=0)] = Field(
+        default=25.0,
+        description="a LoRA request on a pod where its adapter has no request running: "
+        "loading the adapter's weights into a free slot first (from the engine's CPU cache "
+        "of adapters, --max-cpu-loras, or from disk)",
+    )
+    adapter_slot_wait_ms: Annotated[float, Field(ge=0)] = Field(
+        default=500.0,
+        description="added when every one of the pod's --max-loras slots is taken by other "
+        "adapters' running or waiting requests: the request waits for one of them to drain",
     )
 
 
@@ -267,6 +283,12 @@ class SharedStoreSpec(_Strict):
         default_factory=dict,
         description="readers whose path to the store differs from `link` (a pod on the "
         "store's node, or across a slower network), by backend name",
+    )
+    capacity_blocks: Annotated[int, Field(gt=0)] | None = Field(
+        default=None,
+        description="for a store that publishes no evictions: its size in blocks; the "
+        "index then drops the least recently written blocks beyond it (each indexer "
+        "models the blocks it wrote); absent: blocks leave with the store's events only",
     )
 
 
@@ -388,6 +410,19 @@ class ServerSpec(_Strict):
     )
 
 
+class ResponsesSpec(_Strict):
+    """Where ``previous_response_id`` goes: vLLM keeps a stored response in the process
+    that made it, so the router remembers which pod answered each response id."""
+
+    max_entries: Annotated[int, Field(ge=1)] = Field(
+        default=100_000,
+        description="response ids remembered (in memory: least recently used go first)",
+    )
+    ttl_s: Annotated[float, Field(gt=0)] = Field(
+        default=3600.0, description="a response id is forgotten this long after its answer"
+    )
+
+
 class RouterConfig(_Strict):
     model: ModelSpec
     backends: list[Backend] = Field(default_factory=list)
@@ -439,6 +474,7 @@ class RouterConfig(_Strict):
     auth: AuthSpec = Field(default_factory=AuthSpec)
     server: ServerSpec = Field(default_factory=ServerSpec)
     tracing: TracingConfig | None = Field(default=None, description="off when absent")
+    responses: ResponsesSpec = Field(default_factory=ResponsesSpec)
 
     @field_validator("policy")
     @classmethod

@@ -13,6 +13,12 @@
 - recompute: every token not resident (or not worth loading) is prefilled: at the
   prefill rate, plus attention to the context before it (quadratic in length, so a
   long prompt costs more than its tokens at the rate).
+- adapter (LoRA requests only, ``adapter_load_ms``): nothing when the pod has a request
+  of that adapter running; else the load of the adapter, plus ``adapter_slot_wait_ms``
+  when the pod's ``max_loras`` slots are all taken by other adapters with requests
+  running or waiting (vLLM's ``vllm:lora_requests_info``; the order of GIE's LoRA
+  affinity: active, then room to load, then full). A pod that reports no LoRA state
+  pays the load.
 
 A connector can only load a contiguous prefix, so the choice is one cut: load
 tiers up to some boundary, recompute everything after it. Every cut is costed
@@ -31,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvplane.router.config import CostParams, LinkCost, RouterConfig, TierCost
+from kvplane.router.engine_stats import LoraState
 from kvplane.router.pd.topology import transfer_ms as link_ms
 from kvplane.router.shared import SharedStores
 from kvplane.router.tiers import TIER_ORDER, Tier
@@ -51,6 +58,7 @@ class PodLoad:
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (scraped)
     recent_prefill_tokens: float = 0.0  # router-sent uncached tokens, decayed (half-life)
     mean_request_tokens: float = 1024.0  # the fleet's mean prompt: size of an unseen request
+    lora: LoraState | None = None  # vllm:lora_requests_info (scraped), None if not reported
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +70,7 @@ class CostTerms:
     cached_tokens: int  # tokens reused: resident in HBM or loaded from a slower tier
     loaded_from: dict[Tier, int] = field(default_factory=dict)  # tokens loaded per tier
     loaded_ms: dict[Tier, float] = field(default_factory=dict)  # their transfer, per tier
+    adapter_ms: float = 0.0  # loading the request's LoRA adapter (adapter_load_ms)
     store: str | None = None  # the shared store the remote tier's tokens come from
     peer: str | None = None  # the pod a prefix is pulled from (peer_pull)
     peer_tokens: int = 0  # tokens pulled from it (part of cached_tokens)
@@ -69,7 +78,7 @@ class CostTerms:
 
     @property
     def ttft_ms(self) -> float:
-        return self.queue_ms + self.transfer_ms + self.recompute_ms
+        return self.queue_ms + self.transfer_ms + self.recompute_ms + self.adapter_ms
 
 
 def attention_pairs(new_tokens: float, cached_tokens: float) -> float:
@@ -121,6 +130,16 @@ def _load_ms(tokens: int, t: TierCost | None, kv_bytes_per_token: int) -> float:
     return t.latency_ms + tokens * kv_bytes_per_token / (t.bandwidth_gbps * 1e9) * 1000.0
 
 
+def adapter_load_ms(adapter: str | None, lora: LoraState | None, params: CostParams) -> float:
+    """Time before ``adapter``'s request can run on a pod with LoRA state ``lora``."""
+    if adapter is None or (lora is not None and adapter in lora.running):
+        return 0.0
+    ms = params.adapter_load_ms
+    if lora is not None and len((lora.running | lora.waiting) - {adapter}) >= lora.max_loras:
+        ms += params.adapter_slot_wait_ms
+    return ms
+
+
 @dataclass(frozen=True, slots=True)
 class PeerOffer:
     """Another pod's resident prefix of the prompt: blocks it holds in HBM or DRAM."""
@@ -153,9 +172,8 @@ class CostModel:
     params: CostParams
     block_size: int
     kv_bytes_per_token: int
-    shared: SharedStores = field(
-        default_factory=SharedStores
-    )  # the pool's shared stores: remote tier per pod
+    # the pool's shared stores: each reader's remote tier is its store, at its link
+    shared: SharedStores = field(default_factory=SharedStores)
     peer_link: LinkCost | None = None  # pods pull KV from each other over this (None: never)
 
     @classmethod
@@ -171,11 +189,14 @@ class CostModel:
         prompt_tokens: int,
         match: Mapping[Tier, int],
         load: PodLoad,
+        adapter: str | None = None,
+        *,
         peer: PeerOffer | None = None,
     ) -> CostTerms:
         """Cost terms of serving ``prompt_tokens`` on ``pod`` given its resident prefix
-        (``match``: leading blocks held per tier or a faster one) and, with peer pulls,
-        the longest prefix another pod could send it (``peer``)."""
+        (``match``: leading blocks held per tier or a faster one); ``adapter``: the
+        request's LoRA adapter, None for the base model; ``peer``: with peer pulls, the
+        longest prefix another pod could send it."""
         params, block_size = self.params, self.block_size
         tiers = self.shared.tier_costs(pod, params.tiers) if self.shared else params.tiers
         # The engine always computes the last prompt token, so at most n-1 are reusable.
@@ -228,6 +249,7 @@ class CostModel:
             cached_tokens=best_covered,
             loaded_from=best_loaded,
             loaded_ms=best_loaded_ms,
+            adapter_ms=adapter_load_ms(adapter, load.lora, params),
             store=store,
             peer=source,
             peer_tokens=pulled,

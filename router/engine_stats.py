@@ -9,6 +9,10 @@ as counters that stop while ``/health`` still answers). SGLang's load figures ar
 too, so one router serves both; SGLang counts its token totals only when a request
 finishes, which says nothing about a long generation in between, so an SGLang pod has
 no progress figure.
+LoRA (vLLM with ``--enable-lora``): ``vllm:lora_requests_info`` is a gauge whose labels
+``running_lora_adapters`` and ``waiting_lora_adapters`` (comma-separated adapter names)
+and ``max_lora`` describe the engine's adapters, and whose value is the time it was set;
+vLLM keeps one series per label set ever seen, so the newest (largest value) is now.
 A hand parser of the text format, because the router scrapes every pod every second on
 its event loop: prometheus_client's parser builds every sample of every family and costs
 tens of times more per vLLM page, a core's worth over a large fleet (measured:
@@ -19,6 +23,8 @@ real vLLM pages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+LORA_INFO = "vllm:lora_requests_info"
 
 _SUM = {
     "vllm:num_requests_waiting": "waiting",
@@ -33,6 +39,16 @@ _MAX = {"vllm:kv_cache_usage_perc": "kv_usage", "sglang:token_usage": "kv_usage"
 
 
 @dataclass(frozen=True, slots=True)
+class LoraState:
+    """The engine's adapters with requests running or waiting, and its adapter slots
+    (vLLM's ``--max-loras``: adapters in one batch)."""
+
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    max_loras: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class EngineStats:
     waiting: float = 0.0
     running: float = 0.0
@@ -40,16 +56,52 @@ class EngineStats:
     prefix_hits: float = 0.0
     prefix_queries: float = 0.0
     progress: float | None = None  # tokens computed so far (None: the engine has no such count)
+    lora: LoraState | None = None  # None: the engine reports no LoRA state
+
+
+def _label(labels: str, name: str) -> str | None:
+    """One label's value in ``a="x",b="y"`` (adapter names hold no quotes or commas)."""
+    at = labels.find(name + '="')
+    if at == -1 or (at > 0 and labels[at - 1] not in ", {"):
+        return None
+    start = at + len(name) + 2
+    end = labels.find('"', start)
+    return None if end == -1 else labels[start:end]
+
+
+def _names(value: str | None) -> frozenset[str]:
+    return frozenset(n for n in (value or "").split(",") if n)
+
+
+def parse_lora(line: str) -> tuple[float, LoraState] | None:
+    """(set time, state) of one ``vllm:lora_requests_info`` sample line."""
+    open_, close = line.find("{"), line.rfind("}")
+    if open_ == -1 or close < open_:
+        return None
+    labels = line[open_ + 1 : close]
+    try:
+        at = float(line[close + 1 :].split()[0])
+        max_loras = int(_label(labels, "max_lora") or "")
+    except (ValueError, IndexError):
+        return None
+    running = _names(_label(labels, "running_lora_adapters"))
+    waiting = _names(_label(labels, "waiting_lora_adapters"))
+    return at, LoraState(running, waiting, max_loras)
 
 
 def parse_metrics(text: str) -> EngineStats:
     acc: dict[str, float] = {}
+    lora: tuple[float, LoraState] | None = None
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
         brace = line.find("{")
         name = line[: brace if brace != -1 else line.find(" ")]
-        if name in _SUM or name in _MAX or name in _PROGRESS:
+        if name == LORA_INFO:
+            sample = parse_lora(line)
+            if sample is not None and (lora is None or sample[0] >= lora[0]):
+                lora = sample
+        elif name in _SUM or name in _MAX or name in _PROGRESS:
             # "name{labels} value [timestamp]"
             rest = line[line.rfind("}") + 1 :] if brace != -1 else line[len(name) :]
             try:
@@ -64,4 +116,4 @@ def parse_metrics(text: str) -> EngineStats:
             else:
                 field = _MAX[name]
                 acc[field] = max(acc.get(field, 0.0), value)
-    return EngineStats(**acc)
+    return EngineStats(**acc, lora=None if lora is None else lora[1])

@@ -1,9 +1,10 @@
 """Several pools behind one router or picker: the request's ``model`` names the pool.
 
-Each pool keeps its own router state (``app.Router``: tokenizer, index, pods, load,
-policy), exactly as a single-pool router does; the registry only finds it by the
-served model name. A config file holds one pool (a ``RouterConfig``) or several
-(``pools: [...]``).
+A pool's LoRA adapters (``model.lora_adapters``) are served models too: a request
+naming one goes to the pool whose engines hold it. Each pool keeps its own router
+state (``app.Router``: tokenizer, index, pods, load, policy), exactly as a single-pool
+router does; the registry only finds it by the served model name. A config file holds
+one pool (a ``RouterConfig``) or several (``pools: [...]``).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def parse_pools(data: Any) -> list[RouterConfig]:
         configs = [RouterConfig.model_validate(item) for item in items]
     else:
         configs = [RouterConfig.model_validate(data)]
-    names = [c.model.name for c in configs]
+    names = [n for c in configs for n in (c.model.name, *c.model.lora_adapters)]
     if len(names) != len(set(names)):
-        raise ValueError(f"each pool serves its own model; served twice: {names}")
+        raise ValueError(f"each pool serves its own model and adapters; served twice: {names}")
     pools = [c.pool for c in configs]
     if len(pools) != len(set(pools)):
         raise ValueError(f"pool names must be unique: {pools}")
@@ -44,25 +45,31 @@ def parse_pools(data: Any) -> list[RouterConfig]:
 
 
 class ModelRegistry:
-    """Served model name -> the pool's router."""
+    """Served model name (a base model or one of its LoRA adapters) -> the pool's router."""
 
     def __init__(self, routers: Sequence[Router]) -> None:
-        self._routers = {r.config.model.name: r for r in routers}
+        self._pools = {r.config.model.name: r for r in routers}
+        self._routers = {
+            name: r
+            for r in routers
+            for name in (r.config.model.name, *r.config.model.lora_adapters)
+        }
 
     def __iter__(self) -> Iterator[Router]:
-        return iter(self._routers.values())
+        return iter(self._pools.values())
 
     def __len__(self) -> int:
-        return len(self._routers)
+        return len(self._pools)
 
     def names(self) -> list[str]:
-        return list(self._routers)
+        """The pools' base models."""
+        return list(self._pools)
 
     def resolve(self, model: str) -> Router:
         """The pool serving ``model``; a 404 in OpenAI's shape when none does."""
         router = self._routers.get(model)
         if router is None:
-            served = ", ".join(f"`{n}`" for n in self._routers)
+            served = ", ".join(f"`{n}`" for n in self._routers)  # adapters included
             raise APIError(
                 404,
                 f"The model `{model}` does not exist. This router serves {served}.",

@@ -1,13 +1,15 @@
-"""The OpenAPI schema of the router, with the completion routes FastAPI cannot see.
+"""The OpenAPI schema of the router, with the forwarded routes FastAPI cannot see.
 
-``/v1/completions`` and ``/v1/chat/completions`` are raw ASGI endpoints (request.py parses
-their bodies, so that unknown vLLM fields pass through untouched); the models below only
+``/v1/completions``, ``/v1/chat/completions`` and the rest of ``app.ROUTES`` are raw ASGI
+endpoints (request.py parses their bodies, so that unknown vLLM fields pass through
+untouched); the models below only
 describe those bodies (what request.py reads, extra fields allowed) for ``/openapi.json``,
 API clients and the property-based tests, which fuzz the routes from this schema.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -80,7 +82,7 @@ _ERRORS = {
 }
 
 
-def _operation(summary: str, body: str) -> dict[str, Any]:
+def _operation(summary: str, body: str | None) -> dict[str, Any]:
     error = {"application/json": {"schema": {"$ref": _REF.format(model="ErrorResponse")}}}
     responses: dict[str, Any] = {
         "200": {
@@ -93,14 +95,21 @@ def _operation(summary: str, body: str) -> dict[str, Any]:
         "summary": summary,
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": {"$ref": _REF.format(model=body)}}},
+            "content": {"application/json": {"schema": _body_schema(body)}},
         },
         "responses": responses,
     }
 
 
-def router_openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's schema of the app plus the two completion routes (cached on the app)."""
+def _body_schema(body: str | None) -> dict[str, Any]:
+    """A described body's reference, or any JSON object (the engine's to validate)."""
+    return {"$ref": _REF.format(model=body)} if body else {"type": "object"}
+
+
+def router_openapi(app: FastAPI, forwarded: Iterable[tuple[str, str]] = ()) -> dict[str, Any]:
+    """FastAPI's schema of the app plus the routes it cannot see (cached on the app):
+    the two completion routes with their bodies, ``forwarded`` (kind, path) ones with
+    any JSON object for a body."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
@@ -114,6 +123,8 @@ def router_openapi(app: FastAPI) -> dict[str, Any]:
     )
     schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
     paths = schema.setdefault("paths", {})
+    for kind, path in forwarded:
+        paths[path] = {"post": _operation(f"Forwarded to the engine ({kind})", None)}
     paths["/v1/completions"] = {"post": _operation("Create a completion", "CompletionRequest")}
     paths["/v1/chat/completions"] = {
         "post": _operation("Create a chat completion", "ChatCompletionRequest")

@@ -15,12 +15,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from kvplane.router import tracing
-from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
+from kvplane.router.blockkeys import adapter_root, block_keys, chain_keys, generation_root
 from kvplane.router.config import BackendRole, RouterConfig
 from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex
-from kvplane.router.policies import Decision, RoutingInput, make_policy, route
+from kvplane.router.policies import Decision, Policy, RoutingInput, make_policy, route
 from kvplane.router.policies.sticky import index_down
 from kvplane.router.pool import Pool
 from kvplane.router.request import ParsedRequest
@@ -65,6 +65,7 @@ class Prompt:
     n_tokens: int
     complete: Callable[[], Awaitable[Whole]] | None = None
     _rest: asyncio.Future[Whole] | None = None
+    adapter: str | None = None  # the request's LoRA adapter: keys chain from its root
 
     @property
     def partial(self) -> bool:
@@ -133,12 +134,15 @@ class RoutingPipeline:
         self.pool = pool
         self.metrics = metrics
         self.root = generation_root(generation)
+        # a LoRA adapter's requests key their blocks in the adapter's own namespace
+        self.roots = {a: adapter_root(self.root, a) for a in config.model.lora_adapters}
         self.cost = CostModel.of(config)
         self.policy = make_policy(config.policy, self.cost, config.policy_options)
+        self.by_load = make_policy("least_loaded", self.cost)  # requests with no prompt
         self._tokenize_seconds = metrics.tokenize.labels(**metrics.labels)  # labels() costs µs
-        # id(ids of a cached prompt) -> opening special ids -> block keys; an entry goes
-        # when the token cache lets go of those ids (weakref.finalize)
-        self._source_keys: dict[int, dict[int, list[int]]] = {}
+        # id(ids of a cached prompt) -> (opening special ids, chain root) -> block keys; an
+        # entry goes when the token cache lets go of those ids (weakref.finalize)
+        self._source_keys: dict[int, dict[tuple[int, int], list[int]]] = {}
         model = config.model
         self.templates = (
             RequestTemplates(model.tokenizer, model.request_template_timeout_s)
@@ -154,7 +158,7 @@ class RoutingPipeline:
         """The text to encode (a chat rendered through its template) or given token ids.
         The served template renders off the event loop unless the body is small; a
         request's own template only where trusted, in a worker process, time-bounded."""
-        if req.kind != "chat":
+        if req.messages is None:
             return prompt_source(req.prompt), req.add_special_tokens
         assert req.messages is not None and req.chat is not None
         if request_template(req.chat) is None:
@@ -166,7 +170,11 @@ class RoutingPipeline:
             text = await self.templates.render(req.messages, req.chat)
         return text, req.chat.add_special_tokens
 
-    def _prefix_keys(self, prefix: CachedPrefix) -> list[int]:
+    def adapter(self, model: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names; None for the base model."""
+        return model if model in self.roots else None
+
+    def _prefix_keys(self, prefix: CachedPrefix, root: int) -> list[int]:
         """Block keys of a cached prefix, sliced from those of the whole cached prompt it
         was cut from (computed once per cached prompt: later prompts repeat it). They
         live as long as the token cache keeps that prompt, and no longer."""
@@ -174,32 +182,32 @@ class RoutingPipeline:
         if per_source is None:
             per_source = self._source_keys[id(prefix.source)] = {}
             weakref.finalize(prefix.source, self._source_keys.pop, id(prefix.source), None)
-        keys = per_source.get(prefix.opening)
+        keys = per_source.get((prefix.opening, root))
         if keys is None:
             whole = [*prefix.ids[: prefix.opening], *prefix.source.tolist()]
-            keys = per_source[prefix.opening] = block_keys(
-                whole, self.config.model.block_size, self.root
+            keys = per_source[prefix.opening, root] = block_keys(
+                whole, self.config.model.block_size, root
             )
         return keys[: len(prefix.ids) // self.config.model.block_size]
 
-    def _keys(self, tokens: list[int]) -> Prompt:
-        keys = block_keys(tokens, self.config.model.block_size, self.root)
+    def _keys(self, tokens: list[int], root: int) -> Prompt:
+        keys = block_keys(tokens, self.config.model.block_size, root)
         return Prompt(tokens, keys, len(tokens))
 
-    def _new_and_keys(self, text: str, special: bool) -> tuple[list[int], list[int]]:
+    def _new_and_keys(self, text: str, special: bool, root: int) -> tuple[list[int], list[int]]:
         tokens = self.tokenizer.encode_new(text, special)
-        return tokens, block_keys(tokens, self.config.model.block_size, self.root)
+        return tokens, block_keys(tokens, self.config.model.block_size, root)
 
     def _complete_and_keys(
-        self, prefix: CachedPrefix, prefix_keys: list[int]
+        self, prefix: CachedPrefix, prefix_keys: list[int], root: int
     ) -> tuple[list[int], list[int]]:
         """The whole prompt's ids and keys, chaining on from the prefix's keys."""
         tokens = self.tokenizer.complete(prefix)
         block = self.config.model.block_size
-        parent = prefix_keys[-1] if prefix_keys else self.root
+        parent = prefix_keys[-1] if prefix_keys else root
         return tokens, prefix_keys + chain_keys(tokens, block, parent, len(prefix_keys))
 
-    async def _encode(self, text: str, special: bool, defer_tail: bool) -> Prompt:
+    async def _encode(self, text: str, special: bool, defer_tail: bool, root: int) -> Prompt:
         """Encoding runs on the event loop or in the tokenizer's threads by the size of
         what needs encoding (``PromptTokenizer.call``). With ``defer_tail``, a long new
         tail after a cached prefix that covers most of the prompt is encoded once the
@@ -212,33 +220,36 @@ class RoutingPipeline:
             raise PromptTooLong(at_least, exact=False)
         prefix = tok.cached_prefix(text, special)
         if prefix is None:
-            tokens, keys = await tok.call(len(text), self._new_and_keys, text, special)
+            tokens, keys = await tok.call(len(text), self._new_and_keys, text, special, root)
             return Prompt(tokens, keys, len(tokens))
         fits = len(prefix.ids) + prefix.max_tail_ids < self.config.model.max_model_len
-        keys = self._prefix_keys(prefix)
+        keys = self._prefix_keys(prefix, root)
         tail = len(prefix.tail)
         if defer_tail and fits and DEFER_TAIL_CHARS < tail <= DEFER_MAX_TAIL_SHARE * len(text):
 
             def complete() -> Awaitable[tuple[list[int], list[int]]]:
-                return tok.run(self._complete_and_keys, prefix, keys)
+                return tok.run(self._complete_and_keys, prefix, keys, root)
 
             return Prompt(prefix.ids, keys, len(prefix.ids) + prefix.tail_estimate, complete)
-        tokens, keys = await tok.call(tail, self._complete_and_keys, prefix, keys)
+        tokens, keys = await tok.call(tail, self._complete_and_keys, prefix, keys, root)
         return Prompt(tokens, keys, len(tokens))
 
     async def prompt(self, req: ParsedRequest, defer_tail: bool = False) -> Prompt:
         """The request's tokens and block keys; a prompt the model cannot take is a 400."""
         start = time.perf_counter()
-        param = "messages" if req.kind == "chat" else "prompt"
+        param = {"chat": "messages", "responses": "input"}.get(req.kind, "prompt")
         limit = self.config.model.max_model_len
+        adapter = self.adapter(req.model)
+        root = self.roots[adapter] if adapter is not None else self.root
         try:
             source, special = await self._source(req)
             if isinstance(source, list):
                 if len(source) >= limit:  # before hashing it into block keys
                     raise PromptTooLong(len(source))
-                prompt = self._keys(source)
+                prompt = self._keys(source, root)
             else:
-                prompt = await self._encode(source, special, defer_tail)
+                prompt = await self._encode(source, special, defer_tail, root)
+            prompt.adapter = adapter
             # As vLLM: a prompt that leaves no room for one output token is a 400; a
             # larger max_tokens is cut by the engine to what the context leaves, not
             # refused. (A deferred tail is only taken when even its longest encoding fits.)
@@ -269,22 +280,49 @@ class RoutingPipeline:
     ) -> Routed:
         return await self.decide(await self.prompt(req, defer_tail), exclude)
 
-    async def decide(self, prompt: Prompt, exclude: frozenset[str] = frozenset()) -> Routed:
+    async def route_by_load(self, req: ParsedRequest, only: str | None = None) -> Routed:
+        """A request with no prompt a pod could hold cached (embeddings, scores,
+        tokenization, tool-call turns): the least loaded pod, or ``only``. Its size is
+        estimated from the body (a token is about four bytes of JSON text); tokenizing
+        puts none on the engine's model."""
+        computes = req.kind not in ("tokenize", "detokenize")
+        prompt = Prompt([], [], req.size // 4 if computes else 0)
+        return await self.decide(prompt, policy=self.by_load, only=only)
+
+    async def decide(
+        self,
+        prompt: Prompt,
+        exclude: frozenset[str] = frozenset(),
+        policy: Policy | None = None,
+        only: str | None = None,
+    ) -> Routed:
+        """``only``: the one pod the request may go to (it holds state no other has)."""
         states = self.pool.states
         pods = [
             p
             for p in self.pool.healthy()
-            if p not in exclude and states[p].backend.role is not BackendRole.PREFILL
+            if p not in exclude
+            and states[p].backend.role is not BackendRole.PREFILL
+            and (only is None or p == only)
         ]
+        if only is not None and not pods:
+            raise APIError(
+                503, f"backend {only}, which holds the state this request needs, is unavailable"
+            )
         if not pods:
             raise APIError(
                 503,
                 "no healthy backend for model "
                 f"'{self.config.model.name}' ({len(self.pool.states)} configured, none healthy)",
             )
-        inp = RoutingInput(prompt.n_tokens, prompt.tokens, prompt.keys, self.pool.loads(pods))
+        loads = self.pool.loads(pods)
+        inp = RoutingInput(
+            prompt.n_tokens, prompt.tokens, prompt.keys, loads, adapter=prompt.adapter
+        )
         with tracing.span("kvplane.choose"):
-            decision, matches = await route(self.policy, self.index, inp, self._index_down)
+            decision, matches = await route(
+                policy or self.policy, self.index, inp, self._index_down
+            )
             if tracing.on():
                 tracing.set_attributes(
                     pod=decision.pod, reason=decision.reason, prompt_tokens=prompt.n_tokens

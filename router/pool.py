@@ -83,6 +83,7 @@ class BackendState(LoadCounters):
             engine_running=self.stats.running,
             kv_usage=self.stats.kv_usage,
             mean_request_tokens=mean_request_tokens,
+            lora=self.stats.lora,
         )
 
 

@@ -39,7 +39,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Coroutine, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -88,6 +88,9 @@ class Dispatch:
     stream: bool
     observer: DispatchObserver
     predicted_ttft_s: Mapping[str, float] = field(default_factory=dict)  # per pod
+    # reads a successful answer's body (whole, or each streamed chunk) before the client
+    # gets it: what the router must learn from an answer (a stored response's id)
+    tap: Callable[[bytes], Awaitable[None]] | None = None
 
 
 def reported_cached_tokens(payload: bytes) -> int | None:
@@ -277,7 +280,7 @@ class Proxy:
             status = resp.status
             if d.stream and status == 200:
                 watch.armed = False  # from here the relay aborts the backend itself
-                await self._relay(resp, attempt, pod, d.observer, head, first, gone, send)
+                await self._relay(resp, attempt, pod, d, head, first, gone, send)
                 return status
             try:
                 content = await resp.read()
@@ -291,6 +294,8 @@ class Proxy:
             cached = reported_cached_tokens(content)
             if cached is not None:
                 d.observer.reported(cached)
+            if d.tap is not None and status == 200:
+                await d.tap(content)
             head[b"content-length"] = b"%d" % len(content)
             await send({"type": "http.response.start", "status": status, "headers": head.items()})
             await send({"type": "http.response.body", "body": content})
@@ -362,7 +367,7 @@ class Proxy:
         resp: UpstreamResponse,
         attempt: Attempt,
         pod: str,
-        observer: DispatchObserver,
+        d: Dispatch,
         head: dict[bytes, bytes],
         first: bytes | None,
         gone: asyncio.Future[None],
@@ -379,6 +384,7 @@ class Proxy:
                 resp.abort()
 
         gone.add_done_callback(client_left)
+        observer, tap = d.observer, d.tap
         try:
             await send({"type": "http.response.start", "status": 200, "headers": head.items()})
             chunk = first
@@ -388,6 +394,8 @@ class Proxy:
                     cached = reported_cached_tokens(chunk)
                     if cached is not None:
                         observer.reported(cached)
+                if tap is not None:
+                    await tap(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
                 try:
                     chunk = await resp.next_chunk()

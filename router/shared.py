@@ -76,6 +76,13 @@ class SharedStores:
         link = min(links, key=lambda c: c.bandwidth_gbps)
         return {**tiers, Tier.REMOTE: link}
 
+    def capacity(self, holder: str) -> int | None:
+        """The modelled size of a holder's store in blocks (None: its events say)."""
+        for spec in self.specs:
+            if holder_of(spec.name) == holder:
+                return spec.capacity_blocks
+        return None
+
     def store_of(self, pod: str) -> str | None:
         """The name of the store a pod's remote-tier loads come from (explain, metrics)."""
         stores = self.stores_of(pod)

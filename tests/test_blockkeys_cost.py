@@ -209,16 +209,16 @@ def test_a_peer_pull_is_costed_against_loading_and_recompute() -> None:
     still wins; without peer_pull configured nothing is pulled."""
     link = LinkCost(bandwidth_gbps=40.0, latency_ms=0.2)
     model = replace(M, peer_link=link)
-    t = model.predict("b", 1000, match(h=10), PodLoad(), PeerOffer("a", 100))
+    t = model.predict("b", 1000, match(h=10), PodLoad(), peer=PeerOffer("a", 100))
     assert t.peer == "a" and t.peer_tokens == 899 and t.cached_tokens == 999
     assert t.peer_ms == pytest.approx(0.2 + 899 * M.kv_bytes_per_token / 40e9 * 1000)
     assert t.transfer_ms == t.peer_ms and t.recompute_ms == pytest.approx(0.1)
     fast = replace(
         model, params=P.model_copy(update={"tiers": {Tier.DRAM: TierCost(bandwidth_gbps=1000.0)}})
     )
-    t = fast.predict("b", 1000, match(d=100), PodLoad(), PeerOffer("a", 100))
+    t = fast.predict("b", 1000, match(d=100), PodLoad(), peer=PeerOffer("a", 100))
     assert t.peer is None and t.loaded_from == {Tier.DRAM: 999}
-    assert M.predict("b", 1000, match(), PodLoad(), PeerOffer("a", 100)).peer is None
+    assert M.predict("b", 1000, match(), PodLoad(), peer=PeerOffer("a", 100)).peer is None
     # the policy offers each pod the best other pod's HBM-or-DRAM prefix
     busy = PodLoad(pending_prefill_tokens=100_000, pending_requests=5, inflight=5)
     d = choose_by_cost(model, 2000, {"a": match(h=150), "b": match()}, {"a": busy, "b": PodLoad()})
@@ -232,7 +232,7 @@ def test_a_peer_pull_is_costed_against_loading_and_recompute() -> None:
 
 def test_the_tier_metrics_count_a_peer_pull_as_its_own_source() -> None:
     model = replace(M, peer_link=LinkCost(bandwidth_gbps=40.0, latency_ms=0.2))
-    terms = model.predict("b", 1000, match(h=10), PodLoad(), PeerOffer("a", 100))
+    terms = model.predict("b", 1000, match(h=10), PodLoad(), peer=PeerOffer("a", 100))
     metrics = RouterMetrics("p", "m")
     metrics.chose(terms, None)
 

@@ -53,6 +53,10 @@ def test_valid_objects_get_server_side_defaults(crds: K8sCluster, k8s_namespace:
         crds, k8s_namespace, obj("DecodePool", "d", {"poolRef": {"name": "llama"}, "replicas": 2})
     )
     assert ok, err
+    adapters = [{"name": "sql-lora", "source": "/adapters/sql"}, {"name": "b", "source": "o/b"}]
+    lora = {"model": {**MODEL, "loraAdapters": adapters, "maxLoras": 2}}
+    ok, err = create(crds, k8s_namespace, obj("InferencePool", "lora", lora))
+    assert ok, err
     ok, err = create(
         crds,
         k8s_namespace,
@@ -182,6 +186,14 @@ def test_long_names_and_tensor_parallel_pools_are_accepted(
         (
             obj(
                 "KVCacheTier",
+                "native-lfu",
+                {"tier": "dram", "backend": "native", "evictionPolicy": "lfu", "bandwidthGbps": 5},
+            ),
+            "lfu only by LMCache's local tiers",
+        ),
+        (
+            obj(
+                "KVCacheTier",
                 "dram-cachegen",
                 {"tier": "dram", "compression": "cachegen", "bandwidthGbps": 5},
             ),
@@ -189,6 +201,34 @@ def test_long_names_and_tensor_parallel_pools_are_accepted(
         ),
         (
             obj("KVCacheTier", "o", {"tier": "dram", "bandwidthGbps": 5, "capacityPerPod": "lots"}),
+            "should match",
+        ),
+        (
+            obj(
+                "InferencePool",
+                "lora-twice",
+                {"model": {**MODEL, "loraAdapters": [{"name": "a", "source": "/a"}] * 2}},
+            ),
+            "Duplicate value",
+        ),
+        (
+            obj(
+                "InferencePool",
+                "lora-base",
+                {"model": {**MODEL, "loraAdapters": [{"name": "llama", "source": "/a"}]}},
+            ),
+            "an adapter's name differs from servedName",
+        ),
+        (
+            obj("InferencePool", "lora-none", {"model": {**MODEL, "maxLoras": 2}}),
+            "maxLoras needs loraAdapters",
+        ),
+        (
+            obj(
+                "InferencePool",
+                "lora-comma",
+                {"model": {**MODEL, "loraAdapters": [{"name": "a,b", "source": "/a"}]}},
+            ),
             "should match",
         ),
     ],

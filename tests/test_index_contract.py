@@ -272,6 +272,22 @@ async def test_a_store_eviction_leaves_every_reader(index: ResidencyIndex) -> No
     assert (await idx.lookup(KEYS, ["a", "b"])) == {"a": _m(0, 0, 0, 3), "b": _m(0, 0, 0, 3)}
 
 
+async def test_a_store_without_events_drops_its_least_recently_written_blocks(
+    index: ResidencyIndex,
+) -> None:
+    """``capacity_blocks`` models a store that publishes no evictions: an LRU by write."""
+    idx = _shared(index, SharedStoreSpec(name="s", capacity_blocks=3))
+    await idx.begin_incarnation("a", "1")
+    await idx.store("a", "1", at(KEYS, 0, 2), R)
+    await idx.store("a", "1", at(KEYS, 0, 1), R)  # rewritten: now the most recent
+    await idx.store("a", "1", at(KEYS, 2, 4), R)  # 4 blocks written: block 1 goes
+    assert (await idx.lookup(KEYS, ["b"]))["b"] == _m(0, 0, 0, 1)
+    await idx.remove("a", "1", at(KEYS, 0, 1), R)  # the store's own event, if it sends one
+    await idx.store("a", "1", at(KEYS, 0, 2), R)  # 0, 1 back; 2 goes (3 is newer)
+    got = await idx.lookup(KEYS, ["b"])
+    assert got["b"] == _m(0, 0, 0, 2)
+
+
 async def test_a_reader_run_joins_its_own_tiers_and_the_store_block_by_block(
     index: ResidencyIndex,
 ) -> None:

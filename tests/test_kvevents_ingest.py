@@ -13,7 +13,7 @@ import random
 from collections.abc import Sequence
 
 import pytest
-from kvplane.router.blockkeys import block_keys, generation_root
+from kvplane.router.blockkeys import adapter_root, block_keys, generation_root
 from kvplane.router.index.base import Blocks, chunk_anchors, cumulative
 from kvplane.router.index.memory import MemoryIndex
 from kvplane.router.kvevents.ingest import IndexOp, Ingestor
@@ -207,7 +207,7 @@ async def test_placeholder_offload_events_use_known_hashes(
 
 async def test_filters_count_what_they_skip(index: MemoryIndex, ingestor: Ingestor) -> None:
     wrong_size = BlockStored([1, 2], None, TOKENS[:16], 8, medium="GPU")
-    lora = stored(0, 2, lora_name="adapter")
+    lora = stored(0, 2, lora_name="adapter", extra_keys=[["adapter", "salt"], ["adapter"]])
     salted = stored(0, 2, extra_keys=["salt", "salt"])
     other_group = stored(0, 2, group_idx=1)
     short = BlockStored(EH[:2], None, TOKENS[:5], BS)
@@ -216,6 +216,34 @@ async def test_filters_count_what_they_skip(index: MemoryIndex, ingestor: Ingest
     assert (s.block_size_mismatch, s.namespaced, s.other_group, s.malformed) == (1, 2, 1, 1)
     assert s.stored == 5
     assert len(index) == 0
+
+
+async def test_adapter_blocks_key_in_the_adapters_namespace(
+    index: MemoryIndex, ingestor: Ingestor
+) -> None:
+    """vLLM hashes an adapter request's blocks with the adapter folded in (different
+    engine hashes, the adapter's name as every block's extra key): they are indexed
+    under the adapter's root, never credited to the base model or another adapter."""
+    lora_eh = engine_hashes(TOKENS, seed=b"engine+ada")
+    name: list[object] = [["ada"]] * 2
+    first = BlockStored(lora_eh[:2], None, TOKENS[: 2 * BS], BS, "GPU", "ada", extra_keys=name)
+    rest = BlockStored(lora_eh[2:4], lora_eh[1], TOKENS[2 * BS : 4 * BS], BS, "GPU", "ada",
+                       extra_keys=name)  # fmt: skip
+    await ingestor.apply("p", "i1", batch(first, rest))
+    root = generation_root(GEN)
+    ada_keys = block_keys(TOKENS, BS, adapter_root(root, "ada"))
+    other_keys = block_keys(TOKENS, BS, adapter_root(root, "other"))
+    assert set(ada_keys).isdisjoint(KEYS) and set(ada_keys).isdisjoint(other_keys)
+    assert await prefix(index, ada_keys) == counts(4, 4, 4, 4)
+    assert await prefix(index) == counts(0, 0, 0, 0)  # the base model's keys: nothing
+    assert await prefix(index, other_keys) == counts(0, 0, 0, 0)
+    await ingestor.apply("p", "i1", batch(stored(0, 6)))  # the base model's own blocks
+    assert await prefix(index) == counts(6, 6, 6, 6)
+    assert await prefix(index, ada_keys) == counts(4, 4, 4, 4)
+    await ingestor.apply("p", "i1", batch(BlockRemoved(lora_eh[3:4], "GPU")))
+    assert await prefix(index, ada_keys) == counts(3, 3, 3, 3)
+    assert await prefix(index) == counts(6, 6, 6, 6)
+    assert ingestor.stats.namespaced == 0
 
 
 async def test_new_incarnation_starts_an_empty_mapping(

@@ -57,7 +57,7 @@ def _rendered_command() -> list[str]:
             "url": f"mooncake://{names.mooncake_name(POOL)}.{NAMESPACE}.svc:50051",
         }
     )
-    deployment = mooncake_objects(POOL, NAMESPACE, ipool, [tier])[0]
+    deployment = mooncake_objects(POOL, NAMESPACE, ipool, [tier], "gen")[0]
     command: list[str] = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
     return command
 

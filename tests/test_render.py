@@ -292,6 +292,26 @@ SCENARIOS: list[Scenario] = [
         {"main": _pool(replicas=1)},
     ),
 ]
+LORA: Json = {
+    **LLAMA,
+    "loraAdapters": [
+        {"name": "sql-lora", "source": "/adapters/sql"},
+        {"name": "chat-lora", "source": "org/chat-lora"},
+    ],
+    "maxLoras": 2,
+}
+SCENARIOS += [
+    Scenario("vllm-lora", {"model": LORA}, {"main": _pool(replicas=2)}),
+    Scenario(
+        "sglang-lora",
+        {
+            "model": LORA,
+            "engine": {"kind": "sglang", "image": "lmsysorg/sglang:v0.5.23", "blockSize": 64},
+        },
+        {"main": _pool(replicas=1)},
+    ),
+]
+
 BY_NAME = {s.name: s for s in SCENARIOS}
 
 
@@ -393,11 +413,14 @@ def test_a_generation_change_rolls_the_same_deployment() -> None:
             new = after[key]
             assert old["spec"]["selector"] == new["spec"]["selector"], key
             labels = new["spec"]["template"]["metadata"]["labels"]
-            if labels[N.LABEL_ROLE] in (Role.REDIS, Role.MOONCAKE):
-                # stores outlive generations: index keys carry the generation and
-                # age out, while a restart would drop every cached block at once
+            if labels[N.LABEL_ROLE] == Role.REDIS:
+                # the index outlives generations: its keys carry the generation and age
+                # out, while a restart would drop every pod's residency at once
                 assert old == new, key
                 continue
+            # a Mooncake master is recreated: not every engine's store keys carry the
+            # model's identity (SGLang's page hashes are of tokens alone), so KV of the
+            # old model must not be served to the new one
             assert old["spec"]["template"] != new["spec"]["template"], key
             if labels[N.LABEL_ROLE] in N.ENGINE_ROLES:
                 assert labels[N.LABEL_GENERATION] == "bbbbbbbbbbbb"
@@ -524,6 +547,39 @@ def test_python_hash_seed_is_accepted_by_cpython() -> None:
         subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
 
 
+def test_a_revision_change_keeps_store_keys_apart() -> None:
+    """Every engine of a revision seeds its block hashes alike (P/D pods agree), another
+    revision seeds them differently (stores keyed by block hashes never mix revisions),
+    and the managed Mooncake master is recreated with the new generation (its in-memory
+    objects go)."""
+
+    def seeds_and_master(scenario: Scenario) -> tuple[set[str], str]:
+        objs = scenario.render()
+        seeds = {
+            e["value"]
+            for dep in _engines(scenario)
+            for e in _engine_container(dep)["env"]
+            if e["name"] == "PYTHONHASHSEED"
+        }
+        master = next(o for o in objs if o["metadata"]["name"] == f"{POOL}-mooncake")
+        assert master["kind"] == "Deployment"
+        assert master["spec"]["strategy"] == {"type": "Recreate"}
+        annotations = master["spec"]["template"]["metadata"]["annotations"]
+        return seeds, annotations[N.ANNOTATION_GENERATION]
+
+    scenario = BY_NAME["sglang-pd-hicache-mooncake"]
+    ipool = json.loads(json.dumps(scenario.ipool))
+    ipool["model"]["revision"] = "a" * 40
+    other = Scenario("x", ipool, scenario.decodes, scenario.prefill, scenario.tiers)
+    (seed,), generation = seeds_and_master(scenario)
+    (other_seed,), other_generation = seeds_and_master(other)
+    assert seed != other_seed and generation != other_generation
+    spec = scenario.spec()
+    assert seed == N.revision_hash_seed(spec.engine.hash_seed, spec.model.revision)
+    env = {**os.environ, "PYTHONHASHSEED": other_seed}  # CPython starts with it
+    subprocess.run([sys.executable, "-c", "pass"], env=env, check=True)
+
+
 def test_tokenizer_fetch_copies_a_local_tokenizer(tmp_path: Path) -> None:
     src = tmp_path / "weights"
     src.mkdir()
@@ -537,6 +593,35 @@ def test_tokenizer_fetch_copies_a_local_tokenizer(tmp_path: Path) -> None:
     bad = {**env, "DEST": str(tmp_path / "empty")}
     result = subprocess.run([sys.executable, "-c", FETCH_TOKENIZER], env=bad, capture_output=True)
     assert result.returncode != 0 and b"no tokenizer files" in result.stderr
+
+
+def test_router_cost_calibration_renders_into_the_router_config() -> None:
+    scenario = BY_NAME["vllm-aggregated"]
+    config = router_config(POOL, NAMESPACE, scenario.spec(), [], "g")
+    assert "tail_guard" not in config["cost"]  # off: the router's default
+    assert config["cost"]["prefill_attention_ms_per_mpair"] == pytest.approx(1.09)
+    ipool = json.loads(json.dumps(scenario.ipool))
+    ipool.setdefault("router", {})["cost"] = {
+        "tailGuard": 2,
+        "prefillAttentionMsPerMpair": 0.5,
+    }
+    spec = InferencePoolSpec.model_validate(ipool)
+    cost = RouterConfig.model_validate(router_config(POOL, NAMESPACE, spec, [], "g")).cost
+    assert cost.tail_guard == 2.0 and cost.prefill_attention_ms_per_mpair == 0.5
+
+
+def test_lmcache_tiers_render_lfu_as_its_cache_policy() -> None:
+    dram = _tier(tier="dram", backend="lmcache", capacityPerPod="8Gi", evictionPolicy="lfu")
+    nvme = _tier(tier="nvme", backend="lmcache", capacityPerPod="100Gi", evictionPolicy="lfu")
+    assert yaml.safe_load(lmcache_config([dram, nvme]))["cache_policy"] == "LFU"
+    lru = _tier(tier="dram", backend="lmcache", capacityPerPod="8Gi")
+    assert "cache_policy" not in yaml.safe_load(lmcache_config([lru]))  # LMCache's LRU
+    with pytest.raises(RenderError, match="one cache_policy"):
+        lmcache_config([lru, nvme])
+    native = _tier(tier="dram", capacityPerPod="8Gi", evictionPolicy="lfu")
+    pod = EnginePod(_ipool(), Role.DECODE, EnginePoolSpec.model_validate(_pool()), [native])
+    with pytest.raises(RenderError, match="cannot honour evictionPolicy lfu"):
+        vllm_args(pod)
 
 
 def test_router_config_reads_tiers_and_index() -> None:

@@ -36,6 +36,7 @@ from sglang.srt.disaggregation.kv_events import KVEventsConfig
 from lmcache.v1.config import LMCacheEngineConfig
 from lmcache.v1.storage_backend.connector import ConnectorContext
 from lmcache.v1.storage_backend.connector.s3_adapter import S3ConnectorAdapter
+from lmcache.v1.storage_backend.cache_policy import get_cache_policy
 
 cases = json.load(sys.stdin)
 results = {"sglang": {}, "lmcache": {}}
@@ -60,7 +61,8 @@ for name, argv in cases["sglang"].items():
     for key in ("page_size", "tp_size", "served_model_name", "revision", "enable_metrics",
                 "enable_cache_report", "enable_hierarchical_cache", "hicache_storage_backend",
                 "hicache_storage_backend_extra_config", "disaggregation_mode",
-                "disaggregation_transfer_backend", "port"):
+                "disaggregation_transfer_backend", "port", "enable_lora", "lora_paths",
+                "max_loras_per_batch"):
         result[key] = getattr(args, key)
     results["sglang"][name] = result
 
@@ -89,7 +91,8 @@ for name, path in cases["lmcache"].items():
         for lg in loggers:
             lg.removeHandler(unknown)
     result = {"unknown": unknown.messages, "remote_url": config.remote_url,
-              "extra_config": config.extra_config}
+              "extra_config": config.extra_config,
+              "cache_policy": type(get_cache_policy(config.cache_policy)).__name__}
     if (config.remote_url or "").startswith("s3://"):
         loop = asyncio.new_event_loop()
         try:
@@ -134,6 +137,11 @@ def _lmcache_files(tmp: Path) -> dict[str, str]:
     no_region = yaml.safe_load(files["s3/with-region"])
     del no_region["extra_config"]
     files["control/s3-without-region"] = yaml.safe_dump(no_region)
+    lfu = [
+        _tier(tier="dram", backend="lmcache", capacityPerPod="8Gi", evictionPolicy="lfu"),
+        _tier(tier="nvme", backend="lmcache", capacityPerPod="100Gi", evictionPolicy="lfu"),
+    ]
+    files["lfu/dram-nvme"] = lmcache_config(lfu)
     paths: dict[str, str] = {}
     for i, (name, text) in enumerate(sorted(files.items())):
         path = tmp / f"lmcache-{i}.yaml"
@@ -228,3 +236,21 @@ def test_lmcache_s3_connector_accepts_the_rendered_region(parsed: Any) -> None:
     assert results["s3/with-region"]["extra_config"] == {"s3_region": "eu-west-1"}
     assert results["s3/with-region"]["s3"].startswith("accepted")
     assert results["control/s3-without-region"]["s3"] == "refused: s3_region is required"
+
+
+def test_lmcache_takes_lfu_as_its_cache_policy(parsed: Any) -> None:
+    """evictionPolicy lfu on LMCache's local tiers is LMCache's own LFUCachePolicy."""
+    results = parsed["lmcache"]
+    assert results["lfu/dram-nvme"]["cache_policy"] == "LFUCachePolicy"
+    assert results["vllm-lmcache-dram-nvme/llama-lmcache"]["cache_policy"] == "LRUCachePolicy"
+
+
+def test_sglang_lora_adapters_are_its_lora_paths(parsed: Any) -> None:
+    """The CRD's adapters come out as SGLang's lora_paths (name and path), LoRA enabled,
+    with the pool's maxLoras as max_loras_per_batch; without adapters LoRA stays off."""
+    lora = parsed["sglang"]["sglang-lora/llama-decode-main"]
+    assert lora["enable_lora"] is True and lora["max_loras_per_batch"] == 2
+    # kept as given; SGLang's LoRA hook splits each at its first "=" into name and path
+    assert lora["lora_paths"] == ["sql-lora=/adapters/sql", "chat-lora=org/chat-lora"]
+    plain = parsed["sglang"]["sglang-aggregated/llama-decode-main"]
+    assert not plain["enable_lora"] and not plain["lora_paths"]

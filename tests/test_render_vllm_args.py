@@ -81,6 +81,11 @@ for name, argv in json.load(sys.stdin).items():
         "max_model_len": engine.max_model_len,
     }
     result["enable_prompt_tokens_details"] = ns.enable_prompt_tokens_details
+    result["lora"] = {
+        "enable_lora": engine.enable_lora,
+        "modules": [[m.name, m.path] for m in ns.lora_modules or []],
+        "max_loras": engine.max_loras,
+    }
     result["port"] = ns.port
     results[name] = result
 json.dump(results, sys.stdout)
@@ -190,3 +195,15 @@ def test_native_offload_uses_the_offloading_flags(parsed: dict[str, Any]) -> Non
     assert parsed["vllm-pd-nixl-dram-arc/llama-decode-main"]["offloading"][0] is None
     assert parsed["vllm-pd-nixl/llama-prefill"]["engine"]["tensor_parallel_size"] == 2
     assert parsed["vllm-pd-nixl/llama-decode-a"]["engine"]["max_model_len"] == 32768
+
+
+def test_lora_adapters_are_vllms_lora_modules(parsed: dict[str, Any]) -> None:
+    """The CRD's adapters come out as vLLM's LoRAModulePath (name, path), LoRA enabled,
+    with the pool's max_loras; a pool without adapters leaves LoRA off."""
+    lora = parsed["vllm-lora/llama-decode-main"]["lora"]
+    assert lora == {
+        "enable_lora": True,
+        "modules": [["sql-lora", "/adapters/sql"], ["chat-lora", "org/chat-lora"]],
+        "max_loras": 2,
+    }
+    assert parsed["vllm-aggregated/llama-decode-main"]["lora"]["enable_lora"] in (False, None)

@@ -350,3 +350,40 @@ async def test_explain_shows_shared_store_loads_and_peer_pulls(
         finally:
             await client.aclose()
             await index.close()
+
+
+def _with_adapters(config: RouterConfig, *adapters: str) -> RouterConfig:
+    data = config.model_dump()
+    data["model"]["lora_adapters"] = list(adapters)
+    return RouterConfig.model_validate(data)
+
+
+def test_a_lora_adapter_is_a_served_model_of_its_pool(
+    tokenizer_dir: Path, two_engines: list[FakeEngine]
+) -> None:
+    """A request naming an adapter goes to the pool's engines as it is; the cost charges
+    the adapter's load where the engines report no adapter running (these report no
+    LoRA state at all), never for the base model; an unknown name is a 404."""
+    config = _with_adapters(make_config(tokenizer_dir, two_engines), "ada")
+    with serve_router(config) as r:
+        before = sum(e.requests for e in two_engines)
+        resp = httpx.post(f"{r.url}/v1/completions", json={"model": "ada", "prompt": "x"})
+        assert resp.status_code == 200 and sum(e.requests for e in two_engines) == before + 1
+        for model, ms in (("ada", config.cost.adapter_load_ms), ("tiny", 0.0)):
+            body = {"model": model, "prompt": "a " * 100}
+            exp = httpx.post(f"{r.url}/kvplane/explain", json=body).json()
+            assert [c["adapter_ms"] for c in exp["candidates"]] == [ms, ms]
+        missing = httpx.post(f"{r.url}/v1/completions", json={"model": "bob", "prompt": "x"})
+        assert missing.status_code == 404 and "`ada`" in missing.json()["error"]["message"]
+
+
+def test_models_falls_back_to_the_configured_model_and_its_adapters(tokenizer_dir: Path) -> None:
+    dead = FakeEngine("dead", port=free_port())  # nothing listens there
+    config = _with_adapters(make_config(tokenizer_dir, [dead]), "ada", "bob")
+    with serve_router(config) as r:
+        data = httpx.get(f"{r.url}/v1/models").json()["data"]
+    assert [(m["id"], m.get("parent")) for m in data] == [
+        ("tiny", None),
+        ("ada", "tiny"),
+        ("bob", "tiny"),
+    ]

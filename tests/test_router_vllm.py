@@ -209,6 +209,50 @@ def test_openai_clients_against_real_engines(cost_router: RunningRouter) -> None
     assert body.rstrip().endswith(b"data: [DONE]")
 
 
+def test_responses_and_tokenization_through_the_router(
+    cost_router: RunningRouter, vllm_engines: list[VllmEngine]
+) -> None:
+    """vLLM's /v1/responses (its store on: VLLM_ENABLE_RESPONSES_API_STORE=1) continued by
+    previous_response_id, streamed and not, reaches the engine holding the response
+    (the map in the Redis index); /tokenize and /detokenize answer as the engine does."""
+    client = openai.OpenAI(base_url=f"{cost_router.url}/v1", api_key="x", max_retries=0)
+    first = client.responses.with_raw_response.create(
+        model="tiny", instructions="Be terse.", input="Hello there", max_output_tokens=3
+    )
+    home, made = first.headers["x-kvplane-pod"], first.parse()
+    assert made.id.startswith("resp_") and made.usage is not None
+    with client.responses.with_streaming_response.create(
+        model="tiny", input="And?", previous_response_id=made.id, max_output_tokens=2, stream=True
+    ) as raw:
+        assert raw.headers["x-kvplane-pod"] == home
+        assert raw.headers["x-kvplane-reason"] == "previous_response"
+        done = [e for e in raw.parse() if e.type == "response.completed"]
+    assert done and done[0].type == "response.completed"
+    follow = client.responses.with_raw_response.create(
+        model="tiny", input="More?", previous_response_id=done[0].response.id, max_output_tokens=2
+    )
+    assert follow.headers["x-kvplane-pod"] == home
+    usage = follow.parse().usage
+    assert usage is not None and usage.input_tokens > made.usage.input_tokens
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_unknown")
+    assert client.responses.retrieve(made.id).id == made.id  # GET, from its pod
+    engine = next(e for e in vllm_engines if e.name != home)  # why: its store is its own
+    r = httpx.post(
+        f"{engine.url}/v1/responses",
+        json={"model": "tiny", "input": "x", "previous_response_id": made.id},
+        timeout=60,
+    )
+    assert r.status_code == 404
+    body = {"model": "tiny", "prompt": "Hello, world!"}
+    via = httpx.post(f"{cost_router.url}/tokenize", json=body, timeout=60)
+    direct = httpx.post(f"{vllm_engines[0].url}/tokenize", json=body, timeout=60)
+    assert via.status_code == 200 and via.json() == direct.json()
+    tokens = {"tokens": via.json()["tokens"]}
+    back = httpx.post(f"{cost_router.url}/detokenize", json=tokens, timeout=60)
+    assert back.status_code == 200 and back.json()["prompt"].endswith("Hello, world!")
+
+
 def test_killed_engine_is_dropped_and_traffic_continues(
     vllm_engine_factory: EngineFactory, tiny_model: Path
 ) -> None:

@@ -6,7 +6,8 @@ Compared: KV-event wire shape (msgpack map-tagged events, field names, order and
 types), block hash values and parent chaining of prompt blocks, the metric families
 the simulator exposes (a subset of vLLM's, same types and labels), response JSON
 schemas (completions, chat, stream chunks, usage, /tokenize, /v1/models,
-/kv_event_sources, errors), token ids, and cached-token counts for repeated prefixes.
+/kv_event_sources, /v1/responses and its events, errors), token ids, and cached-token
+counts for repeated prefixes.
 """
 
 from __future__ import annotations
@@ -119,6 +120,18 @@ def run_sequence(t: Target, salt: str) -> None:
             post("tok_strs", "/tokenize", {"prompt": "hello world", "return_token_strs": True})
             post("tok_chat", "/tokenize", {"model": MODEL, "messages": chat2})
             post("detok", "/detokenize", {"model": MODEL, "tokens": [0, 33310, 2058]})
+            resp = {"model": MODEL, "max_output_tokens": 2}
+            post("resp1", "/v1/responses", {**resp, "input": base, "instructions": "Be terse."})
+            first = t.answers["resp1"]["body"].get("id")
+            post("resp2", "/v1/responses", {**resp, "input": "go", "previous_response_id": first})
+            post("err_resp", "/v1/responses", {**resp, "input": "x", "previous_response_id": "r"})
+            with c.stream(
+                "POST", "/v1/responses", json={**resp, "input": base, "stream": True}
+            ) as r:
+                t.streams["s_resp"] = [
+                    msgspec.json.decode(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: ")
+                ]
+            post("embed_generative", "/v1/embeddings", {"model": MODEL, "input": "x"})
             post("err_model", "/v1/completions", {"model": "nope", "prompt": "x"})
             post("err_prompt", "/v1/completions", {"model": MODEL})
             post(
@@ -230,12 +243,28 @@ def test_errors_match(targets: tuple[Target, Target]) -> None:
         "err_long",
         "err_vocab",
         "err_messages",
+        "err_resp",
     ):
         a, b = real.answers[name], sim.answers[name]
         assert a["status"] == b["status"], (name, a, b)
         ea, eb = a["body"]["error"], b["body"]["error"]
         assert schema(ea) == schema(eb), name
         assert (ea["type"], ea["param"], ea["code"]) == (eb["type"], eb["param"], eb["code"]), name
+
+
+def test_responses_match(targets: tuple[Target, Target]) -> None:
+    """/v1/responses: the answer's keys and types, a continued response's usage (the
+    stored conversation rendered again), and the stream's events in order."""
+    real, sim = targets
+    for name in ("resp1", "resp2"):
+        a, b = real.answers[name], sim.answers[name]
+        assert a["status"] == b["status"] == 200, (name, a, b)
+        assert schema(a["body"]) == schema(b["body"]), name
+        assert a["body"]["usage"]["input_tokens"] == b["body"]["usage"]["input_tokens"], name
+        assert a["body"]["status"] == b["body"]["status"], name
+    assert chunk_kinds(real.streams["s_resp"]) == chunk_kinds(sim.streams["s_resp"])
+    # a generative model serves no pooling endpoint
+    assert real.answers["embed_generative"] == sim.answers["embed_generative"]
 
 
 def _events(batches: list[Any]) -> list[dict[str, Any]]:

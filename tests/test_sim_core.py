@@ -14,10 +14,12 @@ from typing import Any
 
 import pytest
 
+from kvplane.sim import hashing
 from kvplane.sim.engine import EngineCore, SimRequest, StepOutput
 from kvplane.sim.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvplane.sim.hashing import block_hashes, external_hash, none_hash
 from kvplane.sim.kvcache import BlockPool
+from kvplane.sim.lora import LoraConfig, LoraRequest
 from kvplane.sim.profiles import (
     NIM_ITL_8B,
     NIM_ITL_70B,
@@ -572,3 +574,52 @@ def test_duplicate_copies_of_a_hash() -> None:
     pool.allocate(1)
     assert pool.take_events() == [BlockRemoved([7])]
     assert pool.lookup(h) is None
+
+
+def test_lora_blocks_hash_apart_and_max_loras_bounds_the_batch() -> None:
+    """As vLLM: an adapter request's blocks hash with ("lora", name, path) and are
+    announced with the adapter; a waiting request of a further adapter is skipped (not a
+    stop) while max_loras adapters are in the batch; a new adapter costs its load."""
+    a, b = LoraRequest("a", 1, "/adapters/a"), LoraRequest("b", 2, "/adapters/b")
+    core = EngineCore(small(), lora=LoraConfig((a, b), max_loras=1, load_ms=7.0))
+    prompt = list(range(100, 108))  # two blocks of 4
+    core.add_request(SimRequest("r1", prompt, 2, lora=a))
+    core.add_request(SimRequest("r2", prompt, 2, lora=b))
+    other = list(range(200, 208))
+    core.add_request(SimRequest("r3", other, 2))
+    first = core.step()
+    stats = core.stats()
+    assert stats.running_loras == {"a": 1} and stats.waiting_loras == {"b": 1}
+    assert stats.num_running == 2  # r3 (base) was admitted past the skipped r2
+    plain = EngineCore(small())  # the same batch, no adapter to load
+    plain.add_request(SimRequest("r1", prompt, 2))
+    plain.add_request(SimRequest("r3", other, 2))
+    no_load = plain.step()
+    assert first.duration_s == pytest.approx(no_load.duration_s + 0.007)
+    stored = [e for e in first.events if isinstance(e, BlockStored)]
+    by_lora = {e.lora_name: e for e in stored}
+    assert set(by_lora) == {"a", None} and by_lora["a"].lora_id == 1
+    extra = (("lora", "a", "/adapters/a"),)
+    assert by_lora[None].block_hashes == [external_hash(h) for h in block_hashes(other, 4)]
+    base = [external_hash(h) for h in block_hashes(prompt, 4)]
+    parent = none_hash()
+    want: list[int] = []
+    for i in range(2):
+        parent = hashing.hash_function("sha256")((parent, tuple(prompt[4 * i : 4 * i + 4]), extra))
+        want.append(external_hash(parent))
+    assert by_lora["a"].block_hashes == want and not set(want) & set(base)
+    run(core)
+    assert core.stats().running_loras == {} and core.stats().waiting_loras == {}
+
+
+def test_offloaded_adapter_blocks_keep_their_adapter() -> None:
+    """An adapter's block offloaded to the CPU tier is announced there with its adapter,
+    so an index never takes it for the base model's."""
+    a = LoraRequest("a", 1, "/adapters/a")
+    core = EngineCore(small(num_gpu_blocks=5, cpu_blocks=16), lora=LoraConfig((a,)))
+    core.add_request(SimRequest("r1", list(range(100, 112)), 1, lora=a))
+    run(core)
+    core.add_request(SimRequest("r2", list(range(300, 312)), 1))  # evicts r1's blocks
+    events = [e for out in run(core) for e in out.events]
+    cpu = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert cpu and all(e.lora_name == "a" and e.lora_id == 1 for e in cpu)

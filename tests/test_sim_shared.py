@@ -86,10 +86,10 @@ def test_the_store_announces_runs_and_tells_evictions_on_the_writers_stream() ->
     events = store.take_events()
     remote = ("STORAGE", "REMOTE")
     assert events["a"] == [
-        BlockStored([0, 1], None, [0, 0, 1, 1], 2, *remote),
+        BlockStored([0, 1], None, [0, 0, 1, 1], 2, "STORAGE", locality="REMOTE"),
         BlockRemoved([0], *remote),  # evicted by b's write, told by its writer
     ]
-    assert events["b"] == [BlockStored([2, 3], 1, [2, 2, 3, 3], 2, *remote)]
+    assert events["b"] == [BlockStored([2, 3], 1, [2, 2, 3, 3], 2, "STORAGE", locality="REMOTE")]
     assert tier_of_medium(*remote) is Tier.REMOTE
     assert store.match([bytes([1]), bytes([2]), bytes([9])], 0, 3) == 2
     assert store.take_events() == {}
@@ -98,7 +98,8 @@ def test_the_store_announces_runs_and_tells_evictions_on_the_writers_stream() ->
 def test_a_block_stored_and_evicted_in_one_write_is_never_announced() -> None:
     store = SharedStore(1, 2, Link(10.0))
     store.write("a", [meta(0), meta(1)])
-    assert store.take_events() == {"a": [BlockStored([1], 0, [1, 1], 2, "STORAGE", "REMOTE")]}
+    stored = BlockStored([1], 0, [1, 1], 2, "STORAGE", locality="REMOTE")
+    assert store.take_events() == {"a": [stored]}
 
 
 def test_an_engine_loads_what_another_evicted_into_the_store() -> None:

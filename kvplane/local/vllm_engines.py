@@ -62,6 +62,8 @@ ENGINE_ENV: dict[str, str] = {
     "OMP_NUM_THREADS": "1",
     "MKL_NUM_THREADS": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # /v1/responses keeps what it answers, so previous_response_id can continue it
+    "VLLM_ENABLE_RESPONSES_API_STORE": "1",
     # nothing leaves the machine
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",

@@ -13,7 +13,10 @@ through the router's real code path at their arrival time:
 - load as the live router sees it: ``Pool``/``BackendState`` with the proxy's
   ``Attempt`` accounting (pending prefill tokens until the first token, in-flight
   until the end) plus engine stats sampled every ``scrape_interval_s``;
-- tentative marks on the chosen pod, as the live request path sets them.
+- tentative marks on the chosen pod, as the live request path sets them;
+- optionally a fleet that shares KV (``SharedKV``): one store every engine writes to and
+  loads from, whose events reach the index on their writers' streams, and peer pulls,
+  with the router configured for both (``shared_stores``, ``peer_pull``).
 
 Only engines with work are stepped, so 200 mostly idle pods cost little. Stats are
 sampled lazily but exactly: an engine's snapshot for a scrape tick is taken just

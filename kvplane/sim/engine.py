@@ -21,12 +21,14 @@ request admitted later in the same step already hits them.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from kvplane.sim.events import AllBlocksCleared, BlockStored, KVEvent
 from kvplane.sim.hashing import chain, external_hash, hash_function, none_hash
 from kvplane.sim.kvcache import BlockMeta, BlockPool, CpuTier, PeerFabric, SharedStore
+from kvplane.sim.lora import LoraConfig, LoraRequest
 from kvplane.sim.profiles import EngineProfile
 from kvplane.sim.timing import load_ms, step_ms
 
@@ -42,6 +44,7 @@ class SimRequest:
     max_tokens: int
     min_tokens: int = 0  # generation always runs to max_tokens (ignore_eos): deterministic
     kv_transfer_params: dict[str, Any] | None = None  # P/D roles (later)
+    lora: LoraRequest | None = None  # the request's adapter (its blocks hash apart)
 
 
 @dataclass(slots=True)
@@ -81,6 +84,8 @@ class EngineStats:
     external_prefix_cache_hits: int = 0  # of which loaded from the CPU tier
     prompt_tokens_cached: int = 0  # cached (GPU + CPU) prompt tokens, at first token
     cpu_cache_usage: float = 0.0  # CPU tier occupancy, 0..1
+    running_loras: dict[str, int] = field(default_factory=dict)  # adapter -> requests
+    waiting_loras: dict[str, int] = field(default_factory=dict)
 
 
 class _Req:
@@ -91,6 +96,7 @@ class _Req:
         "cached_tokens",
         "ext",
         "hashes",
+        "lora",
         "max_tokens",
         "num_cached_blocks",
         "num_computed",
@@ -108,6 +114,7 @@ class _Req:
         self.prompt = req.prompt_token_ids
         self.prompt_len = len(req.prompt_token_ids)
         self.max_tokens = req.max_tokens
+        self.lora = req.lora
         self.num_output = 0
         self.num_computed = 0  # tokens whose KV is computed (or scheduled this step)
         self.blocks: list[int] = []
@@ -122,6 +129,14 @@ class _Req:
     @property
     def num_tokens(self) -> int:
         return self.prompt_len + self.num_output
+
+
+def _adapter_counts(reqs: Iterable[_Req]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in reqs:
+        if r.lora is not None:
+            counts[r.lora.name] = counts.get(r.lora.name, 0) + 1
+    return counts
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -139,10 +154,13 @@ class EngineCore:
         hash_seed: str | None = None,
         output_token_id: int = 0,
         enable_prefix_caching: bool = True,
+        lora: LoraConfig | None = None,
         fabric: Fabric | None = None,
     ) -> None:
         """``fabric``: the fleet's shared store and peer pulls this engine takes part in."""
         self._profile = profile
+        self._lora = lora
+        self._gpu_loras: OrderedDict[str, None] = OrderedDict()  # adapters in GPU slots, LRU
         self._bs = profile.block_size
         self._hash_fn = hash_function(hash_algo)
         self._none_hash = none_hash(hash_algo, hash_seed)
@@ -251,6 +269,8 @@ class EngineCore:
             external_prefix_cache_hits=self._ext_hits,
             prompt_tokens_cached=self._prompt_tokens_cached,
             cpu_cache_usage=self._cpu.usage() if self._cpu is not None else 0.0,
+            running_loras=_adapter_counts(self._running),
+            waiting_loras=_adapter_counts(self._waiting),
         )
 
     # ---- one step -------------------------------------------------------------------
@@ -294,8 +314,19 @@ class EngineCore:
         if not preempted:
             waiting = self._waiting
             max_seqs = self._profile.max_num_seqs
+            lora = self._lora
+            loras = {x.lora.name for x in running if x.lora is not None}
+            skipped: list[_Req] = []
             while waiting and budget > 0 and len(running) < max_seqs:
                 r = waiting[0]
+                if (
+                    lora is not None
+                    and r.lora is not None
+                    and r.lora.name not in loras
+                    and len(loras) >= lora.max_loras
+                ):  # as vLLM: another adapter would exceed max_loras in the batch, skip it
+                    skipped.append(waiting.popleft())
+                    continue
                 admitted = self._admit(r, budget)
                 if admitted is None:
                     break
@@ -306,6 +337,9 @@ class EngineCore:
                 scheduled.append((r, num_new))
                 budget -= num_new
                 load_tokens += loaded
+                if r.lora is not None:
+                    loras.add(r.lora.name)
+            waiting.extendleft(reversed(skipped))
 
         return self._execute(scheduled, load_tokens)
 
@@ -344,11 +378,32 @@ class EngineCore:
         self._pending_events = []
         events.extend(self._pool.take_events())
         ms = step_ms(self._profile, chunks, decodes) + load_ms(self._profile, load_tokens)
+        ms += self._load_adapters(r for r, _ in scheduled)
         ms += self._fabric_ms
         self._fabric_ms = 0.0
         return StepOutput(ms / 1000.0, new_tokens, first, finished, events)
 
     # ---- scheduling helpers ---------------------------------------------------------
+
+    def _load_adapters(self, reqs: Iterable[_Req]) -> float:
+        """Milliseconds spent loading the step's adapters not already in a GPU slot."""
+        lora = self._lora
+        if lora is None:
+            return 0.0
+        slots = self._gpu_loras
+        ms = 0.0
+        for r in reqs:
+            if r.lora is None:
+                continue
+            name = r.lora.name
+            if name in slots:
+                slots.move_to_end(name)
+                continue
+            ms += lora.load_ms
+            slots[name] = None
+            if len(slots) > lora.max_loras:
+                slots.popitem(last=False)
+        return ms
 
     def _admit(self, r: _Req, budget: int) -> tuple[int, int] | None:
         """Prefix lookup and first blocks of a waiting request: (tokens scheduled, tokens
@@ -454,13 +509,14 @@ class EngineCore:
         bs = self._bs
         fn = self._hash_fn
         parent = r.hashes[-1] if have else self._none_hash
+        extra = None if r.lora is None else r.lora.extra_keys()
         in_prompt = min(n_blocks, r.prompt_len // bs)
         if have < in_prompt:
-            parent = chain(fn, parent, r.prompt, bs, have, in_prompt, r.hashes, r.toks)
+            parent = chain(fn, parent, r.prompt, bs, have, in_prompt, r.hashes, r.toks, extra)
             have = in_prompt
         if have < n_blocks:  # blocks reaching into the output
             tokens = self._tokens(r, have * bs, n_blocks * bs)
-            chain(fn, parent, tokens, bs, 0, n_blocks - have, r.hashes, r.toks)
+            chain(fn, parent, tokens, bs, 0, n_blocks - have, r.hashes, r.toks, extra)
         r.ext.extend(external_hash(h) for h in r.hashes[len(r.ext) :])
 
     def _cache(self, r: _Req, num_tokens: int) -> None:
@@ -486,14 +542,23 @@ class EngineCore:
                 insert(blocks[k], hashes[k], ext[k])
         else:
             prev = parent
+            lora_id, lora_name = (None, None) if r.lora is None else (r.lora.lora_id, r.lora.name)
             for k in range(start, n_full):
                 e = ext[k]
-                meta = BlockMeta(e, prev, toks[k])
+                meta = BlockMeta(e, prev, toks[k], lora_id, lora_name)
                 insert(blocks[k], hashes[k], e, meta)
                 written.append((hashes[k], meta))
                 prev = e
+        adapter = r.lora
         pool.events.append(
-            BlockStored(ext[start:n_full], parent, self._tokens(r, start * bs, n_full * bs), bs)
+            BlockStored(
+                ext[start:n_full],
+                parent,
+                self._tokens(r, start * bs, n_full * bs),
+                bs,
+                lora_id=None if adapter is None else adapter.lora_id,
+                lora_name=None if adapter is None else adapter.name,
+            )
         )
         fabric = self._fabric
         if fabric is not None and fabric.store is not None and fabric.write_through and written:

@@ -26,6 +26,8 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM_GPU
+    lora_id: int | None = None  # the adapter of an adapter request's blocks
+    lora_name: str | None = None
     locality: str | None = None
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.router.tokens import PromptTokenizer
+from kvplane.sim.lora import LoraConfig, adapters_of
 from kvplane.sim.profiles import PROFILES, EngineProfile
 from kvplane.sim.server import EngineRegistry, OutputToken, SimEngine, SimEngineConfig
 
@@ -56,6 +57,10 @@ class FleetConfig:
     pd_link_gbps: float = 50.0
     bootstrap_base_port: int = 0  # Mooncake/SGLang bootstrap port of prefill engine i
     names: Sequence[str] = field(default_factory=tuple)
+    lora_modules: Sequence[str] = ()  # LoRA adapters, name=path (vLLM --lora-modules)
+    max_loras: int = 1  # adapters in one batch (vLLM --max-loras)
+    lora_load_ms: float = 5.0  # simulated: an adapter entering a GPU slot
+    pooling: bool = False  # serve embeddings, score, rerank (vLLM: --runner pooling)
 
 
 def resolve_profile(cfg: FleetConfig) -> EngineProfile:
@@ -117,6 +122,10 @@ class SimFleet:
             def port(base: int, i: int = i) -> int:
                 return base + i if base else 0
 
+            lora = None
+            if cfg.lora_modules:
+                adapters = adapters_of(cfg.lora_modules)
+                lora = LoraConfig(adapters, cfg.max_loras, cfg.lora_load_ms)
             ecfg = SimEngineConfig(
                 profile=self.profile,
                 name=name,
@@ -137,6 +146,8 @@ class SimFleet:
                 kv_connector=cfg.kv_connector,
                 pd_link_gbps=cfg.pd_link_gbps,
                 bootstrap_port=port(cfg.bootstrap_base_port) if role == "prefill" else None,
+                lora=lora,
+                pooling=cfg.pooling,
             )
             self.engines.append(SimEngine(ecfg, self.tokenizer, self.output, self.registry))
 

@@ -1,10 +1,11 @@
 """vLLM v1 prefix-caching block hashes, bit-exact (engine-interfaces.md §2).
 
-``hash(parent, tuple(block tokens), None)`` chained from ``NONE_HASH = hash(seed)``, over
-full blocks only; the seed is ``PYTHONHASHSEED`` or vLLM's fixed default
-``"vllm-none-hash"`` (vLLM uses a random seed for the xxhash variants when the variable
-is unset; the simulator keeps the fixed one so runs are reproducible). Events carry the
-last 8 bytes of a digest as an unsigned big-endian int.
+``hash(parent, tuple(block tokens), extra_keys)`` (``None``, or a LoRA adapter's)
+chained from ``NONE_HASH = hash(seed)``, over full blocks only; the seed is
+``PYTHONHASHSEED`` or vLLM's fixed default ``"vllm-none-hash"`` (vLLM uses a random seed
+for the xxhash variants when the variable is unset; the simulator keeps the fixed one so
+runs are reproducible). Events carry the last 8 bytes of a digest as an unsigned
+big-endian int.
 """
 
 from __future__ import annotations
@@ -84,13 +85,15 @@ def chain(
     end: int,
     out: list[bytes],
     tokens_out: list[tuple[int, ...]] | None = None,
+    extra_keys: tuple[Any, ...] | None = None,
 ) -> bytes:
     """Append the hashes of the full blocks ``start <= i < end`` of ``token_ids`` to
     ``out``, chained from ``parent``; returns the last hash. ``tokens_out`` also gets
-    each block's tokens (the tuple that was hashed)."""
+    each block's tokens (the tuple that was hashed); ``extra_keys`` go into every
+    block's hash (a LoRA adapter's)."""
     for i in range(start, end):
         block = tuple(token_ids[i * block_size : (i + 1) * block_size])
-        parent = fn((parent, block, None))
+        parent = fn((parent, block, extra_keys))
         out.append(parent)
         if tokens_out is not None:
             tokens_out.append(block)

@@ -44,6 +44,8 @@ class BlockMeta:
     ext: int
     parent: int | None
     tokens: tuple[int, ...]
+    lora_id: int | None = None  # a LoRA adapter's block: announced with its adapter
+    lora_name: str | None = None
 
 
 class CpuTier:
@@ -74,7 +76,13 @@ class CpuTier:
             self.events.append(BlockRemoved([old.ext], MEDIUM_CPU))
         entries[h] = meta
         stored = BlockStored(
-            [meta.ext], meta.parent, list(meta.tokens), self.block_size, MEDIUM_CPU
+            [meta.ext],
+            meta.parent,
+            list(meta.tokens),
+            self.block_size,
+            MEDIUM_CPU,
+            lora_id=meta.lora_id,
+            lora_name=meta.lora_name,
         )
         self.events.append(stored)
 
@@ -192,13 +200,16 @@ class SharedStore:
         if not run:
             return
         tokens = [t for meta in run for t in meta.tokens]
+        head = run[0]
         stored = BlockStored(
             [m.ext for m in run],
-            run[0].parent,
+            head.parent,
             tokens,
             self.block_size,
             MEDIUM_STORAGE,
-            LOCALITY_REMOTE,
+            lora_id=head.lora_id,
+            lora_name=head.lora_name,
+            locality=LOCALITY_REMOTE,
         )
         self.events.setdefault(writer, []).append(stored)
 

@@ -46,6 +46,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hash-seed", default=None, help="NONE_HASH seed (vLLM: PYTHONHASHSEED)")
     p.add_argument("--no-enable-prefix-caching", action="store_true")
+    p.add_argument(
+        "--runner",
+        default="generate",
+        choices=["generate", "pooling"],
+        help="pooling: also serve /v1/embeddings, /v1/score, /v1/rerank (as vLLM's flag)",
+    )
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -65,6 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--bootstrap-port", type=int, default=0, help="prefill engine i's bootstrap: PORT+i"
     )
+    p.add_argument(
+        "--lora-modules", nargs="+", default=[], help="LoRA adapters, name=path (as vLLM)"
+    )
+    p.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (as vLLM)")
+    p.add_argument("--lora-load-ms", type=float, default=5.0, help="an adapter's load")
     p.add_argument("--describe", type=Path, default=None, help="write the engines as JSON")
     p.add_argument("--router-config", type=Path, default=None, help="write a router config")
 
@@ -104,6 +115,10 @@ def fleet_config(a: argparse.Namespace) -> FleetConfig:
         kv_connector=a.kv_connector,
         pd_link_gbps=a.pd_link_gbps,
         bootstrap_base_port=a.bootstrap_port,
+        lora_modules=a.lora_modules,
+        max_loras=a.max_loras,
+        lora_load_ms=a.lora_load_ms,
+        pooling=a.runner == "pooling",
     )
 
 
@@ -112,6 +127,7 @@ def router_config_yaml(fleet: SimFleet) -> str:
     import yaml
 
     p = fleet.profile
+    lora = fleet.cfg.lora_modules
     doc = {
         "model": {
             "name": fleet.cfg.model,
@@ -120,6 +136,7 @@ def router_config_yaml(fleet: SimFleet) -> str:
             "max_model_len": min(p.max_model_len, p.capacity_tokens),
             "kv_bytes_per_token": p.kv_bytes_per_token,
             **({"chat_template": fleet.chat_template} if fleet.chat_template else {}),
+            **({"lora_adapters": [m.split("=", 1)[0] for m in lora]} if lora else {}),
         },
         "backends": fleet.backends(),
         "policy": "cost",

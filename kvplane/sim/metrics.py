@@ -15,7 +15,7 @@ the histograms read as they would on the modeled hardware.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -247,8 +247,10 @@ def render_metrics(
     cache_config: Mapping[str, str],
     created: float,
     transfers: TransferCounters | None = None,
+    lora_series: Sequence[tuple[dict[str, str], float]] = (),
 ) -> str:
-    """The whole Prometheus text page (format 0.0.4) of one engine."""
+    """The whole Prometheus text page (format 0.0.4) of one engine; ``lora_series``:
+    vllm:lora_requests_info's label sets and the times they were set (LoRA engines)."""
     p = _Page({"engine": engine, "model_name": model_name}, created)
     none: dict[str, str] = {}
     p.gauge(
@@ -329,6 +331,14 @@ def render_metrics(
     )
     for name, help_, h in hists.families():
         p.histogram(name, help_, h)
+    if lora_series:  # labels of its own only, valued at the time set (as vLLM writes it)
+        p.lines += [
+            "# HELP vllm:lora_requests_info Running stats on lora requests.",
+            "# TYPE vllm:lora_requests_info gauge",
+        ]
+        p.lines += [
+            f"vllm:lora_requests_info{{{_labels(labels)}}} {_fmt(at)}" for labels, at in lora_series
+        ]
     # an info gauge: the engine index and the config, no model_name (as vLLM writes it)
     info = _labels({"engine": engine, **cache_config})
     p.lines += [

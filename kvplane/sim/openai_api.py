@@ -15,7 +15,7 @@ rest of the context for chat (where ``max_completion_tokens`` wins over
 from __future__ import annotations
 
 from array import array
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -116,9 +116,9 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return obj
 
 
-def check_model(obj: dict[str, Any], served: str) -> None:
+def check_model(obj: dict[str, Any], served: str, adapters: Collection[str] = ()) -> None:
     model = obj.get("model")
-    if model is not None and model != served:
+    if model is not None and model != served and model not in adapters:
         raise ApiError(
             404,
             f"The model `{model}` does not exist. Valid aliases: {served}.",
@@ -511,18 +511,27 @@ class ChunkWriter:
         return b"data: [DONE]\n\n"
 
 
-def models_list(model: str, root: str, max_model_len: int, created: int) -> dict[str, Any]:
+def models_list(
+    model: str,
+    root: str,
+    max_model_len: int,
+    created: int,
+    adapters: Sequence[tuple[str, str]] = (),
+) -> dict[str, Any]:
+    """The base model, then each LoRA adapter ``(name, path)`` as vLLM lists it."""
+    cards: list[tuple[str, str, str | None, int | None]] = [(model, root, None, max_model_len)]
+    cards += [(name, path, model, None) for name, path in adapters]
     return {
         "object": "list",
         "data": [
             {
-                "id": model,
+                "id": card_id,
                 "object": "model",
                 "created": created,
                 "owned_by": "vllm",
-                "root": root,
-                "parent": None,
-                "max_model_len": max_model_len,
+                "root": card_root,
+                "parent": parent,
+                "max_model_len": card_len,
                 "permission": [
                     {
                         "id": f"modelperm-{created:016x}",
@@ -540,5 +549,6 @@ def models_list(model: str, root: str, max_model_len: int, created: int) -> dict
                     }
                 ],
             }
+            for card_id, card_root, parent, card_len in cards
         ],
     }

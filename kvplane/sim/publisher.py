@@ -89,17 +89,20 @@ _encoder: Final = msgspec.msgpack.Encoder()
 
 
 def to_wire(event: ev.KVEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
-    """One simulator event as vLLM's block pool builds it for a plain model."""
+    """One simulator event as vLLM's block pool builds it for a plain model (a LoRA
+    adapter's blocks carry its id and name)."""
     if isinstance(event, ev.BlockStored):
         return BlockStored(
             block_hashes=list(event.block_hashes),
             parent_block_hash=event.parent_block_hash,
             token_ids=list(event.token_ids),
             block_size=event.block_size,
-            lora_id=None,
+            lora_id=event.lora_id,
             medium=event.medium,
-            lora_name=None,
-            extra_keys=[None] * len(event.block_hashes),
+            lora_name=event.lora_name,
+            # vLLM publishes extra keys untagged: the adapter's bare name per block
+            extra_keys=[None if event.lora_name is None else (event.lora_name,)]
+            * len(event.block_hashes),
             group_idx=0,
             kv_cache_spec_kind=FULL_ATTENTION,
             locality=event.locality,

@@ -22,16 +22,18 @@ import hashlib
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 from kvplane.router.tokens import ChatFormatError, ChatOptions, PromptTokenizer
 from kvplane.sim import openai_api as api
-from kvplane.sim import pd
+from kvplane.sim import pd, surface
 from kvplane.sim.engine import EngineCore, EngineStats, SimRequest, StepOutput
 from kvplane.sim.hashing import block_hashes
 from kvplane.sim.httpd import HttpServer, Request, Response, StreamingResponse
+from kvplane.sim.lora import LoraConfig, LoraRequest, info_labels
 from kvplane.sim.metrics import RequestHistograms, TransferCounters, render_metrics
 from kvplane.sim.profiles import EngineProfile
 from kvplane.sim.publisher import KVEventPublisher
@@ -82,6 +84,10 @@ class SimEngineConfig:
     engine_id: str = ""  # NIXL/Mooncake engine identity; default: a uuid
     pd_link_gbps: float = 50.0  # GB/s between engines for P/D KV transfers
     bootstrap_port: int | None = None  # Mooncake/SGLang bootstrap (prefill engines)
+    lora: LoraConfig | None = None  # LoRA adapters served (vLLM --enable-lora)
+    # serve /v1/embeddings, /v1/score, /v1/rerank too (vLLM serves them for a pooling
+    # model, --runner pooling; a generative one answers them 404)
+    pooling: bool = False
 
     @property
     def max_model_len(self) -> int:
@@ -176,7 +182,11 @@ class SimEngine:
             hash_seed=cfg.hash_seed,
             output_token_id=self.out.token_id,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            lora=cfg.lora,
         )
+        self.loras = cfg.lora.by_name() if cfg.lora is not None else {}
+        # vllm:lora_requests_info: label set -> when it was last set (vLLM keeps them all)
+        self._lora_series: OrderedDict[tuple[str, str], float] = OrderedDict()
         self.max_model_len = cfg.max_model_len
         self.vocab_size = len(tokenizer.hf)
         self.http = HttpServer(self.handle, cfg.host, cfg.port)
@@ -414,15 +424,35 @@ class SimEngine:
         gen.open_subs -= 1
         gen.wake()
 
-    def submit(self, gen: _Gen, sub: _Sub, prompt: list[int], ktp: dict[str, Any] | None) -> None:
+    def submit(
+        self,
+        gen: _Gen,
+        sub: _Sub,
+        prompt: list[int],
+        ktp: dict[str, Any] | None,
+        lora: LoraRequest | None = None,
+    ) -> None:
         """Queue one engine request (raises ValueError as the core does)."""
-        self.core.add_request(SimRequest(sub.rid, prompt, sub.max_tokens, kv_transfer_params=ktp))
+        req = SimRequest(sub.rid, prompt, sub.max_tokens, kv_transfer_params=ktp, lora=lora)
+        self.core.add_request(req)
         self._subs[sub.rid] = sub
         self._unscheduled[sub.rid] = sub
         gen.subs.append(sub)
         gen.open_subs += 1
         self.counters.requests += 1
         self._wake.set()
+
+    def start_generation(self, ids: list[int], max_tokens: int, public_id: str) -> _Gen:
+        """One sequence generated for a request of another endpoint (``surface``)."""
+        gen = _Gen()
+        rid = f"{public_id}-0-{self.next_id()}"
+        sub = _Sub(rid, 0, len(ids), max_tokens, gen, time.monotonic())
+        try:
+            self.submit(gen, sub, ids, None)
+        except ValueError as exc:
+            self.abort(gen)
+            raise api.ApiError(400, str(exc)) from exc
+        return gen
 
     def abort(self, gen: _Gen) -> None:
         plan = gen.plan
@@ -589,12 +619,15 @@ class SimEngine:
         r["GET", "/get_server_info"] = r["GET", "/server_info"] = self._server_info
         r["GET", "/get_model_info"] = r["GET", "/model_info"] = self._model_info
         r["GET", "/sim/stats"] = self._sim_stats
+        surface.register(self, r)  # embeddings, score, rerank, responses
 
     async def handle(self, req: Request) -> Response | StreamingResponse:
         method = "GET" if req.method == "HEAD" else req.method
         key = f"{req.method} {req.path}"
         self.http_requests[key] = self.http_requests.get(key, 0) + 1
         fn = self.routes.get((method, req.path)) or self.extra_routes.get((method, req.path))
+        if fn is None and method == "GET" and req.path.startswith(surface.RESPONSE_PREFIX):
+            fn = self.routes.get((method, surface.RESPONSE_PREFIX + "{id}"))
         if fn is None:
             if any(path == req.path for _, path in (*self.routes, *self.extra_routes)):
                 return api.method_not_allowed()
@@ -610,8 +643,9 @@ class SimEngine:
 
     async def _models(self, _req: Request) -> Response:
         root = self.cfg.tokenizer_path or self.cfg.model
+        adapters = [(a.name, a.path) for a in self.loras.values()]
         return api.json_response(
-            api.models_list(self.cfg.model, root, self.max_model_len, self._created)
+            api.models_list(self.cfg.model, root, self.max_model_len, self._created, adapters)
         )
 
     async def _version(self, _req: Request) -> Response:
@@ -636,8 +670,28 @@ class SimEngine:
             },
             created=self._created_f,
             transfers=self.transfers,
+            lora_series=self._lora_info(),
         )
         return Response(200, text.encode(), "text/plain; version=0.0.4; charset=utf-8")
+
+    def _lora_info(self) -> list[tuple[dict[str, str], float]]:
+        """vllm:lora_requests_info: the current label set stamped now, with every set
+        seen before at its own time (as vLLM's gauge keeps them; the last 64 here)."""
+        if self.cfg.lora is None:
+            return []
+        stats = self.core.stats()
+        key = (",".join(stats.running_loras), ",".join(stats.waiting_loras))
+        series = self._lora_series
+        series[key] = time.time()
+        series.move_to_end(key)
+        while len(series) > 64:
+            series.popitem(last=False)
+        max_loras = self.cfg.lora.max_loras
+        return [
+            (info_labels(max_loras, running.split(",") if running else [],
+                         waiting.split(",") if waiting else []), at)
+            for (running, waiting), at in series.items()
+        ]  # fmt: skip
 
     async def _kv_event_sources(self, _req: Request) -> Response:
         pub = self.publisher
@@ -758,7 +812,7 @@ class SimEngine:
 
     async def _tokenize(self, req: Request) -> Response:
         obj = api.parse_json_object(req.body)
-        api.check_model(obj, self.cfg.model)
+        api.check_model(obj, self.cfg.model, self.loras)
         if "messages" in obj:
             messages = obj["messages"]
             if not isinstance(messages, list):
@@ -786,7 +840,7 @@ class SimEngine:
 
     async def _detokenize(self, req: Request) -> Response:
         obj = api.parse_json_object(req.body)
-        api.check_model(obj, self.cfg.model)
+        api.check_model(obj, self.cfg.model, self.loras)
         tokens = obj.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
             raise api.ApiError(400, "'tokens' must be a list of token ids", param="tokens")
@@ -797,7 +851,7 @@ class SimEngine:
         """vLLM's scale-out render endpoints (token ids, no generation), which
         vllm-router's kv_aware and cache_aware policies call on every worker."""
         obj = api.parse_json_object(req.body)
-        api.check_model(obj, self.cfg.model)
+        api.check_model(obj, self.cfg.model, self.loras)
         p = api.parse_generate(obj, chat=chat)
         prompts = await self.prompt_ids(p)
         items = [
@@ -828,7 +882,7 @@ class SimEngine:
             raise api.ApiError(500, f"engine is dead: {self.dead}", "InternalServerError")
         try:
             obj = api.parse_json_object(req.body)
-            api.check_model(obj, self.cfg.model)
+            api.check_model(obj, self.cfg.model, self.loras)
             p = api.parse_generate(obj, chat=chat)
             prompts = await self.prompt_ids(p)
             limits = [
@@ -852,6 +906,7 @@ class SimEngine:
                 transferred = await self._receive(plan, prompts[0])
         base = req.headers.get("x-request-id") or uuid.uuid4().hex[:16]
         public_id = f"{'chatcmpl' if chat else 'cmpl'}-{base}"
+        lora = self.loras.get(obj.get("model") or "")  # the request names an adapter
         gen = _Gen(n=p.n, plan=plan)
         if plan is not None:
             gen.prompt = prompts[0]
@@ -865,14 +920,13 @@ class SimEngine:
                         f"{public_id}-{index}-{serial}", index, len(ids), max_tokens, gen, now
                     )
                     sub.transferred = transferred
-                    self.submit(gen, sub, ids, p.kv_transfer_params)
+                    self.submit(gen, sub, ids, p.kv_transfer_params, lora)
         except ValueError as exc:
             self.abort(gen)
             self.counters.rejected += 1
             raise api.ApiError(400, str(exc)) from exc
-        writer = api.ChunkWriter(
-            public_id, int(time.time()), self.cfg.model, chat, self.fingerprint
-        )
+        model = self.cfg.model if lora is None else lora.name  # vLLM answers as asked
+        writer = api.ChunkWriter(public_id, int(time.time()), model, chat, self.fingerprint)
         if p.stream:
             return StreamingResponse(self._stream(gen, p, writer))
         try:

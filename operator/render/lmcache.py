@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Final
 
 import yaml
-from kvplane.operator.api import Compression, KVCacheTierSpec, TierBackend
+from kvplane.operator.api import Compression, Eviction, KVCacheTierSpec, TierBackend
 from kvplane.operator.render.tiers import (
     NVME_MOUNT,
     RenderError,
@@ -68,6 +68,15 @@ def lmcache_config_dict(plan: TierPlan) -> Json:
             size = nvme.volume.size
         config["local_disk"] = f"file://{NVME_MOUNT}/"
         config["max_local_disk_size"] = round(gib(size), 3)
+    policies = {t.eviction_policy for t in lm_tiers if t.backend is TierBackend.LMCACHE}
+    if len(policies) > 1:
+        raise RenderError(
+            "LMCache has one cache_policy for its local tiers: they disagree on "
+            f"evictionPolicy ({', '.join(sorted(p.value for p in policies))})"
+        )
+    if policies == {Eviction.LFU}:
+        # prefixes many requests reuse outlive one-off tails (LMCache's LFUCachePolicy)
+        config["cache_policy"] = "LFU"
     if plan.remote is not None:
         config["remote_url"] = _remote_url(plan.remote)
         config["remote_serde"] = _SERDE[plan.remote.compression]

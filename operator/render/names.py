@@ -222,3 +222,9 @@ def python_hash_seed(seed: str) -> str:
     if seed.isdigit() and int(seed) <= 0xFFFFFFFF:
         return str(int(seed))
     return str(int.from_bytes(hashlib.sha256(seed.encode()).digest()[:4], "big"))
+
+
+def revision_hash_seed(seed: str, revision: str) -> str:
+    """The engines' PYTHONHASHSEED: the spec's ``hashSeed`` with the model revision folded
+    in, so that block hashes (and the store keys made of them) differ per revision."""
+    return python_hash_seed(f"{seed}@{revision}")

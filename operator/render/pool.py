@@ -48,7 +48,7 @@ def inference_pool_objects(
     objects += network_policies(ipool_name, namespace, ipool, transfer)
     objects += engine_config_maps(ipool_name, namespace, ipool, tiers)
     objects += stores.redis_objects(ipool_name, namespace, ipool)
-    objects += stores.mooncake_objects(ipool_name, namespace, ipool, tiers)
+    objects += stores.mooncake_objects(ipool_name, namespace, ipool, tiers, generation)
     engines = [(prefill[0], Role.PREFILL, prefill[1])] if prefill is not None else []
     engines += [(name, Role.DECODE, spec) for name, spec in sorted(decodes.items())]
     for name, role, spec in engines:

@@ -111,7 +111,10 @@ def router_config(
         "running_step_ms_per_request": route.cost.running_step_ms_per_request,
         "load_cap": route.cost.load_cap,
         "tentative_ttl_s": route.cost.tentative_ttl_s,
+        "prefill_attention_ms_per_mpair": route.cost.prefill_attention_ms_per_mpair,
     }
+    if route.cost.tail_guard is not None:
+        cost["tail_guard"] = route.cost.tail_guard
     if tier_costs:
         cost["tiers"] = tier_costs
     config: Json = {
@@ -138,6 +141,8 @@ def router_config(
         "cost": cost,
         "index": {"backend": "redis", "url": stores.index_url(ipool_name, namespace, ipool)},
     }
+    if model.lora_adapters:  # requests naming one are this pool's, keyed apart
+        config["model"]["lora_adapters"] = [a.name for a in model.lora_adapters]
     if ipool.tracing is not None:
         config["tracing"] = {
             "endpoint": ipool.tracing.endpoint,

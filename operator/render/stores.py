@@ -176,6 +176,7 @@ def mooncake_objects(
     namespace: str,
     ipool: InferencePoolSpec,
     tiers: Sequence[KVCacheTierSpec],
+    generation: str,
 ) -> list[Json]:
     """A Mooncake Store master when a remote mooncake tier's url names ``<pool>-mooncake``.
 
@@ -184,6 +185,9 @@ def mooncake_objects(
     Its image is the tier's ``masterImage``, else the engine image of an SGLang pool
     (SGLang images ship ``mooncake_master``); the vLLM images are not known to, so a
     vLLM pool must name one (e.g. an image with the ``mooncake-transfer-engine`` wheel).
+    The pod carries the pool's generation (model, revision, tokenizer, block size): a new
+    one recreates the master, which keeps its objects in memory, so no key of another
+    revision survives a rollout there.
     """
     tier = managed_mooncake(ipool_name, namespace, tiers)
     if tier is None:
@@ -227,7 +231,15 @@ def mooncake_objects(
     pod = {"containers": [container], "enableServiceLinks": False}
     return [
         k8s.deployment(
-            name, namespace, labels, selector, labels, pod, replicas=1, strategy=k8s.RECREATE
+            name,
+            namespace,
+            labels,
+            selector,
+            labels,
+            pod,
+            replicas=1,
+            strategy=k8s.RECREATE,
+            pod_annotations={names.ANNOTATION_GENERATION: generation},
         ),
         k8s.service(
             name,

@@ -8,12 +8,15 @@ counts a holder's blocks for each pod that reads it, block by block. Everything 
 passes through.
 
 The store's blocks leave the index with the store's own BlockRemoved events (the
-remote medium), from whichever reader reports them; a store that publishes none
-keeps its blocks indexed until the pool's generation changes.
+remote medium), from whichever reader reports them. For a store that publishes none,
+``capacity_blocks`` models it: an LRU of the blocks written through this index, the
+least recently written dropped beyond the capacity; without either, its blocks stay
+indexed until the pool's generation changes.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -37,6 +40,7 @@ class SharedTierIndex(IndexWrapper):
         self.backend = inner
         self.stores = stores
         self._begun: set[str] = set()
+        self._lru: dict[str, OrderedDict[int, int]] = {}  # holder -> key -> anchor
 
     async def _holder(self, pod: str, tier: Tier) -> str | None:
         """The holder that takes ``pod``'s writes of ``tier`` (None: the pod's own)."""
@@ -52,15 +56,29 @@ class SharedTierIndex(IndexWrapper):
         holder = await self._holder(pod, tier)
         if holder is None:
             await self.inner.store(pod, incarnation, blocks, tier)
-        else:
-            await self.inner.store(holder, HOLDER_INCARNATION, blocks, tier)
+            return
+        await self.inner.store(holder, HOLDER_INCARNATION, blocks, tier)
+        capacity = self.stores.capacity(holder)
+        if capacity is not None:
+            lru = self._lru.setdefault(holder, OrderedDict())
+            for key, anchor in zip(blocks.keys, blocks.anchors, strict=True):
+                lru[key] = anchor
+                lru.move_to_end(key)
+            over = [lru.popitem(last=False) for _ in range(len(lru) - capacity)]
+            if over:
+                gone = Blocks([k for k, _ in over], [a for _, a in over])
+                await self.inner.remove(holder, HOLDER_INCARNATION, gone, tier)
 
     async def remove(self, pod: str, incarnation: str, blocks: Blocks, tier: Tier) -> None:
         holder = await self._holder(pod, tier)
         if holder is None:
             await self.inner.remove(pod, incarnation, blocks, tier)
-        else:
-            await self.inner.remove(holder, HOLDER_INCARNATION, blocks, tier)
+            return
+        await self.inner.remove(holder, HOLDER_INCARNATION, blocks, tier)
+        lru = self._lru.get(holder)
+        if lru is not None:
+            for key in blocks.keys:
+                lru.pop(key, None)
 
     async def lookup(self, keys: Sequence[int], pods: Sequence[str]) -> PrefixMatches:
         reads = self.stores.reads(pods)

@@ -11,6 +11,12 @@ an engine sends a batch's GPU events before its offload connector's, so a block
 evicted and offloaded in one step is announced to the CPU tier (by its parent's
 hash, or by its own hash alone) after the GPU removal that emptied its mapping.
 
+A LoRA adapter's blocks (``lora_name`` set) chain from the adapter's root
+(``blockkeys.adapter_root``), so they are keyed apart from the base model's and from
+other adapters'; vLLM's per-block extra keys then hold just the adapter's name. Blocks
+with any other extra key (multimodal, cache salt) are not keyed by tokens alone and
+are skipped.
+
 Every block also carries its chunk *anchor* (``index.base.Blocks``): the key of the
 first block of its ``CHUNK``, found from the parent's anchor and position in the chain.
 
@@ -24,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
-from kvplane.router.blockkeys import chain_keys, generation_root
+from kvplane.router.blockkeys import adapter_root, chain_keys, generation_root
 from kvplane.router.index.base import CHUNK, Blocks, ResidencyIndex
 from kvplane.router.kvevents.model import (
     AllBlocksCleared,
@@ -76,7 +82,7 @@ class IngestStats:
     removed_unknown: int = 0  # removed hashes we never mapped in that tier
     block_size_mismatch: int = 0
     other_group: int = 0  # events of KV-cache groups other than 0 (hybrid models)
-    namespaced: int = 0  # LoRA / extra-key / salted blocks: not keyed by tokens alone
+    namespaced: int = 0  # extra-key / salted blocks: not keyed by tokens alone (LoRA is)
     malformed: int = 0  # token count != blocks * block_size
     mapping_full: int = 0  # blocks not indexed because the pod's mapping hit its cap
     remapped: int = 0  # an engine hash re-stored with different tokens
@@ -125,6 +131,17 @@ class PodChains:
         return key, self.places[engine_hash]
 
 
+def _tokens_and_adapter_only(ev: BlockStored) -> bool:
+    """Whether the block hashes depend on nothing but the tokens and the LoRA adapter:
+    vLLM's events carry the adapter's name as every block's extra key (untagged)."""
+    if not ev.extra_keys:
+        return True
+    if ev.lora_name is None:
+        return False
+    name = ev.lora_name
+    return all(k is None or k == [name] or k == (name,) for k in ev.extra_keys)
+
+
 def _emit(
     ops: list[IndexOp], kind: OpKind, tier: Tier, keys: Sequence[int], anchors: Sequence[int]
 ) -> None:
@@ -164,7 +181,7 @@ class Planner:
         if ev.group_idx != 0:
             self.stats.other_group += 1
             return
-        if ev.lora_name is not None or ev.extra_keys:
+        if not _tokens_and_adapter_only(ev):
             self.stats.namespaced += 1
             return
         tier = tier_of_medium(ev.medium, ev.locality)
@@ -179,7 +196,7 @@ class Planner:
             return
         place: int | None = None
         if ev.parent_block_hash is None:
-            parent = self.root
+            parent = adapter_root(self.root, ev.lora_name)
         else:
             found = chains.locate(ev.parent_block_hash)
             if found is None:

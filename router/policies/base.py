@@ -43,6 +43,7 @@ class RoutingInput:
     keys: Sequence[int]  # block keys of ``tokens``
     loads: Mapping[str, PodLoad]  # the candidates, in the pool's order
     matches: PrefixMatches | None = None  # the index's answer, for policies that use it
+    adapter: str | None = None  # the request's LoRA adapter (None: the base model)
 
     @property
     def pods(self) -> list[str]:

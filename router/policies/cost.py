@@ -59,21 +59,24 @@ def too_slow(
 
 
 def choose_by_cost(
-    model: CostModel, prompt_tokens: int, matches: PrefixMatches, loads: Mapping[str, PodLoad]
+    model: CostModel,
+    prompt_tokens: int,
+    matches: PrefixMatches,
+    loads: Mapping[str, PodLoad],
+    adapter: str | None = None,
 ) -> Decision:
     """Lowest score (predicted TTFT with recompute weighted) among pods under the load
     cap; near-ties go to the pod sent the least prefill work lately, exact ties to fewer
     in flight."""
     params = model.params
     pods = list(loads)
-    if model.peer_link is None:
-        terms = {p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p]) for p in pods}
-    else:
-        offers = peer_offers(matches, pods)
-        terms = {
-            p: model.predict(p, prompt_tokens, matches.get(p, {}), loads[p], offers.get(p))
-            for p in pods
-        }
+    offers = peer_offers(matches, pods) if model.peer_link is not None else {}
+    terms = {
+        p: model.predict(
+            p, prompt_tokens, matches.get(p, {}), loads[p], adapter, peer=offers.get(p)
+        )
+        for p in pods
+    }
     capped = over_cap(loads, params)
     eligible = [p for p in pods if p not in capped] or pods
     slow = too_slow(terms, eligible, loads, params)
@@ -119,4 +122,6 @@ class CostPolicy(BasePolicy):
     uses_index: ClassVar[bool] = True
 
     def choose(self, inp: RoutingInput) -> Decision:
-        return choose_by_cost(self.cost, inp.prompt_tokens, inp.matches or {}, inp.loads)
+        return choose_by_cost(
+            self.cost, inp.prompt_tokens, inp.matches or {}, inp.loads, inp.adapter
+        )

@@ -127,9 +127,10 @@ def downward_env() -> list[Json]:
 
 
 def identity_env(ipool: InferencePoolSpec) -> list[Json]:
-    """The downward env and the hash seed: equal block hashes on every pod (vLLM seeds
-    the first block's parent hash with it, SGLang its own hashing)."""
-    return [
-        *downward_env(),
-        {"name": "PYTHONHASHSEED", "value": names.python_hash_seed(ipool.engine.hash_seed)},
-    ]
+    """The downward env and the hash seed: equal block hashes on every pod of one model
+    revision (vLLM seeds the first block's parent hash with it, SGLang its own hashing),
+    and different ones across revisions, so that every store keyed by block hashes
+    (the offloading and Mooncake connectors, LMCache's chunk keys) keeps revisions apart
+    while a rollout runs both."""
+    seed = names.revision_hash_seed(ipool.engine.hash_seed, ipool.model.revision)
+    return [*downward_env(), {"name": "PYTHONHASHSEED", "value": seed}]

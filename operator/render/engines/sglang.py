@@ -147,6 +147,11 @@ def sglang_args(e: EnginePod) -> list[str]:
     ]
     if model.max_model_len is not None:
         args += ["--context-length", str(model.max_model_len)]
+    if model.lora_adapters:
+        args += ["--enable-lora", "--lora-paths"]
+        args += [f"{a.name}={a.source}" for a in model.lora_adapters]
+        if model.max_loras is not None:
+            args += ["--max-loras-per-batch", str(model.max_loras)]
     if transfer is not None:
         args += [
             "--disaggregation-mode",

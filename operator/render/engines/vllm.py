@@ -75,6 +75,11 @@ def _pd_connector(role: Role, transfer: KVTransfer) -> Json:
 
 
 def _offloading_connector(tier: KVCacheTierSpec) -> Json:
+    if tier.eviction_policy not in (Eviction.LRU, Eviction.ARC):  # CEL refuses it too
+        raise RenderError(
+            f"vLLM's CPU offload cannot honour evictionPolicy {tier.eviction_policy.value}: "
+            "use lru or arc"
+        )
     return {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
@@ -187,6 +192,11 @@ def vllm_args(e: EnginePod) -> list[str]:
     ]
     if model.max_model_len is not None:
         args += ["--max-model-len", str(model.max_model_len)]
+    if model.lora_adapters:
+        args += ["--enable-lora", "--lora-modules"]
+        args += [f"{a.name}={a.source}" for a in model.lora_adapters]
+        if model.max_loras is not None:
+            args += ["--max-loras", str(model.max_loras)]
     plan = e.plan
     dram = plan.native_dram
     if dram is not None and _native_flags_suffice(plan, transfer):
