@@ -46,6 +46,39 @@ def meta(i: int) -> tuple[bytes, BlockMeta]:
     return bytes([i]), BlockMeta(i, i - 1 if i else None, (i, i))
 
 
+def test_slru_keeps_a_reused_prefix_through_a_flood_of_one_off_blocks() -> None:
+    """LRU loses a prefix that later requests reuse once enough fresh one-off blocks are
+    written after its last use; segmented LRU keeps it: loaded once, it is protected,
+    and the flood evicts the probation segment (its own oldest blocks) instead."""
+    prefix = [meta(i) for i in range(4)]
+    hashes = [h for h, _ in prefix]
+    kept = {}
+    for policy in ("lru", "slru"):
+        store = SharedStore(10, 2, Link(10.0), policy)
+        store.write("a", prefix)
+        assert store.match(hashes, 0, 4) == 4  # a second request loads the prefix
+        store.write("b", [meta(i) for i in range(10, 20)])  # one-off tails, more recent
+        store.take_events()
+        kept[policy] = store.match(hashes, 0, 4)
+        assert len(store) == 10
+    assert kept == {"lru": 0, "slru": 4}
+
+
+def test_slru_protects_at_most_its_share_and_demotes_to_probation() -> None:
+    store = SharedStore(5, 2, Link(10.0), "slru")  # protected: at most 4 blocks
+    blocks = [meta(i) for i in range(5)]
+    store.write("a", blocks)
+    hashes = [h for h, _ in blocks]
+    # all loaded, tail first: the tail is protected first, so it is the one demoted
+    assert store.match(hashes, 0, 5) == 5
+    assert len(store.protected) == 4 and list(store.entries) == [hashes[4]]
+    store.write("b", [meta(9)])  # full: the probation block goes, the prefix's head stays
+    assert hashes[4] not in store and all(h in store for h in hashes[:4])
+    assert store.take_events()["a"][-1] == BlockRemoved([4], "STORAGE", "REMOTE")
+    with pytest.raises(ValueError, match="unknown store policy"):
+        SharedStore(5, 2, Link(10.0), "lfu")
+
+
 def test_the_store_announces_runs_and_tells_evictions_on_the_writers_stream() -> None:
     store = SharedStore(3, 2, Link(10.0))
     store.write("a", [meta(0), meta(1)])

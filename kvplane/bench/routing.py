@@ -345,6 +345,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2_048_000,
         help="des fleet shapes: DRAM per pod in tokens (the shared store holds engines x this)",
     )
+    p.add_argument(
+        "--store-policy",
+        choices=("lru", "slru"),
+        default="lru",
+        help="des fleet shapes: the shared store's eviction (slru keeps reused blocks)",
+    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -635,7 +641,7 @@ def _shaped(args: argparse.Namespace, base: DesOptions) -> list[tuple[str, DesOp
     dram_blocks = args.dram_tokens // args.block_size
     out: list[tuple[str, DesOptions]] = []
     for name in names:
-        shape = fleet_shape(name, args.engines, dram_blocks)
+        shape = fleet_shape(name, args.engines, dram_blocks, getattr(args, "store_policy", "lru"))
         notes = [*base.notes, f"shape {name}"]
         opts = replace(
             base,
@@ -685,7 +691,11 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
             **({"workload shapes": args.shape} if args.shape else {}),
             **({"kvplane cost": args.cost_set} if args.cost_set else {}),
             **(
-                {"fleet shapes": args.fleet_shape, "dram tokens per pod": args.dram_tokens}
+                {
+                    "fleet shapes": args.fleet_shape,
+                    "dram tokens per pod": args.dram_tokens,
+                    "store policy": getattr(args, "store_policy", "lru"),
+                }
                 if getattr(args, "fleet_shape", "")
                 else {}
             ),

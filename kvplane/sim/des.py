@@ -219,6 +219,7 @@ class SharedKV:
     store_link: Link = field(default_factory=lambda: Link(25.0, 1.0))
     peer_link: Link | None = None
     write_through: bool = False  # engines store blocks as computed, not as HBM evicts them
+    store_policy: str = "lru"  # the store's eviction: lru or slru (kvcache.SharedStore)
 
     def router_side(self) -> tuple[SharedStores, LinkCost | None]:
         """What the router's config says of this fleet."""
@@ -285,7 +286,11 @@ class _Sim:
         width = len(str(engines - 1))
         names = [f"e{i:0{width}d}" for i in range(engines)]
         bs = self.block_size
-        self.store = SharedStore(kv.store_blocks, bs, kv.store_link) if kv.store_blocks else None
+        self.store = (
+            SharedStore(kv.store_blocks, bs, kv.store_link, kv.store_policy)
+            if kv.store_blocks
+            else None
+        )
         peers = PeerFabric(kv.peer_link) if kv.peer_link is not None else None
         shares = self.store is not None or peers is not None
         self.engines = {

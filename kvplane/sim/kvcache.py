@@ -114,43 +114,78 @@ class Link:
         return self.latency_ms + tokens * kv_bytes_per_token / (self.bandwidth_gbps * 1e9) * 1e3
 
 
+STORE_POLICIES = ("lru", "slru")
+PROTECTED_SHARE = 0.8  # slru: the share of the store that blocks reused once may hold
+
+
 class SharedStore:
-    """One store for the whole fleet: an LRU of blocks by hash, ``capacity`` blocks,
-    loaded over ``link`` by every engine. Engines write the blocks their HBM evicts (as
-    to a CPU tier) or, write-through, every block as they compute it (as LMCache and
-    Mooncake Store connectors save KV), and load a prefix they lack from it. Its events
-    are vLLM's for a remote store (medium STORAGE, locality REMOTE); each goes out on
-    the stream of the engine that wrote the block, an eviction included: the store's
-    own model of what it holds, told by its writers.
+    """One store for the whole fleet: ``capacity`` blocks by hash, loaded over ``link``
+    by every engine. Engines write the blocks their HBM evicts (as to a CPU tier) or,
+    write-through, every block as they compute it (as LMCache and Mooncake Store
+    connectors save KV), and load a prefix they lack from it. Its events are vLLM's for
+    a remote store (medium STORAGE, locality REMOTE); each goes out on the stream of the
+    engine that wrote the block, an eviction included: the store's own model of what it
+    holds, told by its writers.
+
+    Eviction (``policy``): ``lru``, or ``slru``, segmented LRU: a block enters on
+    probation and moves to the protected segment (at most ``PROTECTED_SHARE`` of the
+    store) when a later request loads it; the probation segment's LRU block goes first,
+    so a prefix many requests reuse (a system prompt, a document, an agent's tool
+    preamble) outlives one-off conversation tails that no request ever loads again,
+    however recently they were written. A protected block pushed out of its segment goes
+    back on probation as its most recent block.
     """
 
-    __slots__ = ("block_size", "capacity", "entries", "events", "link")
+    __slots__ = (
+        "block_size",
+        "capacity",
+        "entries",
+        "events",
+        "link",
+        "policy",
+        "protected",
+        "protected_cap",
+    )
 
-    def __init__(self, capacity: int, block_size: int, link: Link) -> None:
+    def __init__(self, capacity: int, block_size: int, link: Link, policy: str = "lru") -> None:
         if capacity < 1:
             raise ValueError("a shared store needs at least one block")
+        if policy not in STORE_POLICIES:
+            raise ValueError(f"unknown store policy {policy!r} (known: {STORE_POLICIES})")
         self.capacity = capacity
         self.block_size = block_size
         self.link = link
+        self.policy = policy
+        # lru: every block, least recent first; slru: the probation segment
         self.entries: OrderedDict[bytes, tuple[BlockMeta, str]] = OrderedDict()
+        self.protected: OrderedDict[bytes, tuple[BlockMeta, str]] = OrderedDict()
+        self.protected_cap = int(capacity * PROTECTED_SHARE) if policy == "slru" else 0
         self.events: dict[str, list[KVEvent]] = {}  # writer -> its events, in order
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self.entries) + len(self.protected)
+
+    def __contains__(self, h: bytes) -> bool:
+        return h in self.entries or h in self.protected
+
+    def _victim(self) -> tuple[BlockMeta, str]:
+        segment = self.entries if self.entries else self.protected
+        return segment.popitem(last=False)[1]
 
     def write(self, writer: str, blocks: list[tuple[bytes, BlockMeta]]) -> None:
         """Consecutive blocks of one chain computed by ``writer``: new ones are stored
-        (one ``BlockStored`` per run of new blocks), known ones refreshed."""
-        entries = self.entries
+        (one ``BlockStored`` per run of new blocks), known ones refreshed in their
+        segment (a write is not a reuse)."""
+        entries, protected = self.entries, self.protected
         run: list[BlockMeta] = []
         for h, meta in blocks:
-            if h in entries:
-                entries.move_to_end(h)
+            if h in entries or h in protected:
+                (entries if h in entries else protected).move_to_end(h)
                 self._announce(writer, run)
                 run = []
                 continue
-            while len(entries) >= self.capacity:
-                old, who = entries.popitem(last=False)[1]
+            while len(self) >= self.capacity:
+                old, who = self._victim()
                 if run and old is run[0]:
                     run = run[1:]  # stored and evicted in one write: never announced
                     continue
@@ -179,15 +214,28 @@ class SharedStore:
         self.events.setdefault(writer, []).append(stored)
 
     def match(self, hashes: list[bytes], start: int, end: int) -> int:
-        """How many consecutive blocks ``hashes[start:end]`` are here (refreshed tail
-        first, as the CPU tier does)."""
-        entries = self.entries
+        """How many consecutive blocks ``hashes[start:end]`` are here. A load refreshes
+        them tail first (as the CPU tier does), so a prefix's head is the last of it to
+        go; under ``slru`` it also protects them."""
         stop = start
-        while stop < end and hashes[stop] in entries:
+        while stop < end and hashes[stop] in self:
             stop += 1
         for i in range(stop - 1, start - 1, -1):
-            entries.move_to_end(hashes[i])
+            self._touch(hashes[i])
         return stop - start
+
+    def _touch(self, h: bytes) -> None:
+        entries, protected = self.entries, self.protected
+        if self.policy == "lru":
+            entries.move_to_end(h)
+            return
+        if h in protected:
+            protected.move_to_end(h)
+            return
+        protected[h] = entries.pop(h)
+        while len(protected) > self.protected_cap:
+            old, value = protected.popitem(last=False)
+            entries[old] = value  # back on probation, as its most recent block
 
     def writer(self, name: str) -> StoreWriter:
         """What engine ``name``'s block pool offloads its evicted blocks to."""
@@ -199,7 +247,7 @@ class SharedStore:
         return events
 
     def usage(self) -> float:
-        return len(self.entries) / self.capacity
+        return len(self) / self.capacity
 
 
 @dataclass(frozen=True, slots=True)

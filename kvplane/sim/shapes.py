@@ -27,16 +27,20 @@ class FleetShape:
     shared_kv: SharedKV | None  # the store and peer pulls
 
 
-def fleet_shape(name: str, engines: int, dram_blocks: int) -> FleetShape:
+def fleet_shape(
+    name: str, engines: int, dram_blocks: int, store_policy: str = "lru"
+) -> FleetShape:
     """The shape ``name`` of ``engines`` pods with ``dram_blocks`` of DRAM each (or
-    their total in the shared store)."""
+    their total in the shared store, evicting by ``store_policy``)."""
     store = engines * dram_blocks
     if name == "hbm":
         return FleetShape(name, 0, None)
     if name == "hbm+dram":
         return FleetShape(name, dram_blocks, None)
     if name == "hbm+shared":
-        return FleetShape(name, 0, SharedKV(store, STORE_LINK))
+        return FleetShape(name, 0, SharedKV(store, STORE_LINK, store_policy=store_policy))
     if name == "hbm+shared+peer":
-        return FleetShape(name, 0, SharedKV(store, STORE_LINK, PEER_LINK))
+        return FleetShape(
+            name, 0, SharedKV(store, STORE_LINK, PEER_LINK, store_policy=store_policy)
+        )
     raise ValueError(f"unknown fleet shape {name!r} (known: {', '.join(FLEET_SHAPES)})")
