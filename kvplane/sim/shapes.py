@@ -27,9 +27,7 @@ class FleetShape:
     shared_kv: SharedKV | None  # the store and peer pulls
 
 
-def fleet_shape(
-    name: str, engines: int, dram_blocks: int, store_policy: str = "lru"
-) -> FleetShape:
+def fleet_shape(name: str, engines: int, dram_blocks: int, store_policy: str = "lru") -> FleetShape:
     """The shape ``name`` of ``engines`` pods with ``dram_blocks`` of DRAM each (or
     their total in the shared store, evicting by ``store_policy``)."""
     store = engines * dram_blocks
