@@ -624,6 +624,36 @@ def test_lmcache_tiers_render_lfu_as_its_cache_policy() -> None:
         vllm_args(pod)
 
 
+def test_a_remote_tier_is_a_shared_store_for_every_pod_of_the_pool() -> None:
+    """The router and the indexer see a remote tier as one store of the whole pool (its
+    blocks resident for every pod, kept when the writer dies), at the tier's link, sized
+    by every engine pod's capacityPerPod (Mooncake publishes no evictions)."""
+    scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
+    objects = scenario.render()
+    configs = [
+        yaml.safe_load(o["data"]["router.yaml"])
+        for o in objects
+        if o["kind"] == "ConfigMap" and "router.yaml" in o.get("data", {})
+    ]
+    assert configs
+    spec = scenario.spec()
+    block_bytes = spec.model.kv_bytes() * spec.engine.block_size
+    pods = sum(
+        int(o["spec"]["replicas"])
+        for o in objects
+        if o["kind"] == "Deployment" and o["metadata"]["labels"][N.LABEL_ROLE] in N.ENGINE_ROLES
+    )
+    for config in configs:
+        (store,) = RouterConfig.model_validate(config).shared_stores
+        assert store.pods is None  # every pod of the pool
+        assert (store.link.bandwidth_gbps, store.link.latency_ms) == (20.0, 1.0)
+        assert store.capacity_blocks == 16 * 2**30 // block_bytes * pods
+    plain = BY_NAME["vllm-dram-native"]
+    assert "shared_stores" not in router_config(
+        POOL, NAMESPACE, plain.spec(), plain.tier_specs(), "g"
+    )
+
+
 def test_router_config_reads_tiers_and_index() -> None:
     scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
     config = router_config(POOL, NAMESPACE, scenario.spec(), scenario.tier_specs(), "g")

@@ -68,6 +68,11 @@ def inference_pool_objects(
         hpa = engine_autoscaler(ipool_name, namespace, ipool, name, role, spec)
         if hpa is not None:
             objects.append(hpa)
+    # the most engine pods at once: each adds its capacityPerPod to a remote store
+    store_pods = sum(
+        spec.autoscaling.max_replicas if spec.autoscaling else spec.desired_replicas()
+        for _, _, spec in engines
+    )
     for render in (router_objects, indexer_objects):
         objects += render(
             ipool_name,
@@ -79,6 +84,7 @@ def inference_pool_objects(
             disaggregated=disaggregated,
             transfer=transfer,
             discovery_role=discovery_role,
+            store_pods=store_pods,
         )
     objects += gateway_objects(ipool_name, namespace, ipool, generation, default_image)
     return [harden(o) for o in objects]

@@ -14,7 +14,7 @@ from kvplane.operator.api import InferencePoolSpec, KVCacheTierSpec, KVTransfer
 from kvplane.operator.render import k8s, names, stores
 from kvplane.operator.render.engines import adapter
 from kvplane.operator.render.names import Role
-from kvplane.operator.render.tiers import plan_tiers
+from kvplane.operator.render.tiers import plan_tiers, quantity_bytes
 from kvplane.router.config import RouterConfig
 
 from kvplane.types import Json
@@ -92,10 +92,12 @@ def router_config(
     *,
     disaggregated: bool = False,
     transfer: KVTransfer | None = None,
+    store_pods: int = 1,
 ) -> Json:
     """The RouterConfig as a plain dict (validated: a bad render fails here, not in
     the router pod). Only what the operator decides is written; the rest is the
-    router's own defaults."""
+    router's own defaults. ``store_pods``: the most engine pods that contribute to a
+    remote tier (its size is their ``capacityPerPod`` together)."""
     model = ipool.model
     route = ipool.router
     tier_costs: Json = {}
@@ -117,6 +119,7 @@ def router_config(
         cost["tail_guard"] = route.cost.tail_guard
     if tier_costs:
         cost["tiers"] = tier_costs
+    shared = shared_stores(plan.remote, ipool, store_pods)
     config: Json = {
         "pool": ipool_name,
         "model": {
@@ -141,6 +144,8 @@ def router_config(
         "cost": cost,
         "index": {"backend": "redis", "url": stores.index_url(ipool_name, namespace, ipool)},
     }
+    if shared:
+        config["shared_stores"] = shared
     if model.lora_adapters:  # requests naming one are this pool's, keyed apart
         config["model"]["lora_adapters"] = [a.name for a in model.lora_adapters]
     if ipool.tracing is not None:
@@ -156,6 +161,27 @@ def router_config(
         config["auth"] = {"api_keys": API_KEYS_DIR, "admin_keys": ADMIN_KEYS_DIR}
     RouterConfig.model_validate(config)
     return config
+
+
+def shared_stores(
+    remote: KVCacheTierSpec | None, ipool: InferencePoolSpec, store_pods: int
+) -> list[Json]:
+    """A remote tier is a store every pod of the pool writes to and reads from: its
+    blocks are resident for all of them at the tier's link, and outlive their writer.
+    Neither Mooncake Store nor an LMCache remote tells vLLM what it evicts, so its size
+    bounds what the index keeps: the pods' ``capacityPerPod`` together (a Mooncake
+    client contributes that much to the store), in blocks; a tier without a capacity is
+    counted as one longest prompt (``maxModelLen``) per pod, so that the index never
+    grows without bound."""
+    if remote is None:
+        return []
+    block_bytes = ipool.model.kv_bytes() * ipool.engine.block_size
+    per_pod = quantity_bytes(remote.capacity_per_pod) // block_bytes
+    if per_pod <= 0:  # unsized: room for one longest prompt per pod
+        per_pod = -(-(ipool.model.max_model_len or UNBOUNDED_MODEL_LEN) // ipool.engine.block_size)
+    link = {"bandwidth_gbps": remote.bandwidth_gbps, "latency_ms": remote.latency_ms}
+    name = f"{remote.tier.value}-{remote.backend.value}".lower()
+    return [{"name": name, "link": link, "capacity_blocks": per_pod * max(1, store_pods)}]
 
 
 def router_config_yaml(config: Json) -> str:
@@ -233,6 +259,7 @@ def router_objects(
     disaggregated: bool = False,
     transfer: KVTransfer | None = None,
     discovery_role: str = names.DISCOVERY_ROLE,
+    store_pods: int = 1,
 ) -> list[Json]:
     """ConfigMap, RBAC, Deployment and Service of the router.
 
@@ -248,6 +275,7 @@ def router_objects(
         generation,
         disaggregated=disaggregated,
         transfer=transfer,
+        store_pods=store_pods,
     )
     cm = config_map(ipool_name, namespace, config)
     name = names.router_name(ipool_name)
@@ -344,6 +372,7 @@ def indexer_objects(
     disaggregated: bool = False,
     transfer: KVTransfer | None = None,
     discovery_role: str = names.DISCOVERY_ROLE,
+    store_pods: int = 1,
 ) -> list[Json]:
     """RBAC, Deployment and metrics Service of the indexer (the router's ConfigMap).
 
@@ -359,6 +388,7 @@ def indexer_objects(
         generation,
         disaggregated=disaggregated,
         transfer=transfer,
+        store_pods=store_pods,
     )
     name = names.indexer_name(ipool_name)
     labels = names.object_labels(ipool_name, Role.INDEXER, "kvplane-indexer")
