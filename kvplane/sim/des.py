@@ -55,7 +55,7 @@ from kvplane.router.shared import SharedStores
 from kvplane.router.tiers import Tier
 from kvplane.sim import events as se
 from kvplane.sim.engine import EngineCore, Fabric, SimRequest, StepOutput
-from kvplane.sim.kvcache import Link, PeerFabric, SharedStore
+from kvplane.sim.kvcache import SIM_STORE, Link, PeerFabric, SharedStore
 from kvplane.sim.profiles import PROFILES, EngineProfile
 from kvplane.workload.results import (
     RequestResult,
@@ -75,7 +75,6 @@ from kvplane.workload.traces import (
 
 ROUTERS: Final[dict[str, str]] = labelled()  # label -> policy name
 GENERATION: Final = "kvplane-des"
-SIM_STORE: Final = "sim-store"  # the shared store's name in the router's config
 DEFAULT_KV_EVENT_DELAY_S: Final = 0.05
 IDLE_RETRY_S: Final = 0.001  # an engine with work that could not schedule anything
 MAX_IDLE_RETRIES: Final = 100_000  # per run: a stuck engine ends the run, not the machine

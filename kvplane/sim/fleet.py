@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from kvplane.router.tokens import PromptTokenizer
+from kvplane.sim.engine import Fabric
+from kvplane.sim.kvcache import Link, PeerFabric, SharedStore
 from kvplane.sim.lora import LoraConfig, adapters_of
 from kvplane.sim.profiles import PROFILES, EngineProfile
 from kvplane.sim.server import EngineRegistry, OutputToken, SimEngine, SimEngineConfig
@@ -61,6 +63,13 @@ class FleetConfig:
     max_loras: int = 1  # adapters in one batch (vLLM --max-loras)
     lora_load_ms: float = 5.0  # simulated: an adapter entering a GPU slot
     pooling: bool = False  # serve embeddings, score, rerank (vLLM: --runner pooling)
+    # a store every engine writes to and loads from (0 blocks: none), and peer pulls
+    # (0 GB/s: none): kvcache.SharedStore, kvcache.PeerFabric
+    store_blocks: int = 0
+    store_link: Link = field(default_factory=lambda: Link(25.0, 1.0))
+    store_policy: str = "lru"
+    store_write_through: bool = False
+    peer_link: Link | None = None
 
 
 def resolve_profile(cfg: FleetConfig) -> EngineProfile:
@@ -116,6 +125,14 @@ class SimFleet:
         self.output = OutputToken.for_tokenizer(self.tokenizer)
         self.registry = EngineRegistry()
         names = list(cfg.names) or [f"e{i}" for i in range(cfg.engines)]
+        bs = self.profile.block_size
+        self.store = (
+            SharedStore(cfg.store_blocks, bs, cfg.store_link, cfg.store_policy)
+            if cfg.store_blocks
+            else None
+        )
+        self.peers = PeerFabric(cfg.peer_link) if cfg.peer_link is not None else None
+        shares = self.store is not None or self.peers is not None
         self.engines: list[SimEngine] = []
         for i, (name, role) in enumerate(zip(names, roles, strict=True)):
 
@@ -148,6 +165,11 @@ class SimFleet:
                 bootstrap_port=port(cfg.bootstrap_base_port) if role == "prefill" else None,
                 lora=lora,
                 pooling=cfg.pooling,
+                fabric=(
+                    Fabric(name, self.store, self.peers, cfg.store_write_through)
+                    if shares
+                    else None
+                ),
             )
             self.engines.append(SimEngine(ecfg, self.tokenizer, self.output, self.registry))
 

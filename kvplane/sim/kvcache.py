@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Final
 
 from kvplane.sim.events import (
     LOCALITY_REMOTE,
@@ -114,7 +115,8 @@ class Link:
         return self.latency_ms + tokens * kv_bytes_per_token / (self.bandwidth_gbps * 1e9) * 1e3
 
 
-STORE_POLICIES = ("lru", "slru")
+SIM_STORE: Final = "sim-store"  # the shared store's name in a router's config
+STORE_POLICIES: Final = ("lru", "slru")
 PROTECTED_SHARE = 0.8  # slru: the share of the store that blocks reused once may hold
 
 

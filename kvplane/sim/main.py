@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvplane.sim.fleet import CONNECTORS, ROLES, FleetConfig, SimFleet
+from kvplane.sim.kvcache import SIM_STORE, STORE_POLICIES, Link
 from kvplane.sim.profiles import PROFILES
 
 
@@ -76,6 +77,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-loras", type=int, default=1, help="adapters in one batch (as vLLM)")
     p.add_argument("--lora-load-ms", type=float, default=5.0, help="an adapter's load")
+    p.add_argument(
+        "--store-blocks",
+        type=int,
+        default=0,
+        help="a shared store every engine writes to and loads from, in blocks (0: none)",
+    )
+    p.add_argument("--store-gbps", type=float, default=25.0, help="the store's link, GB/s")
+    p.add_argument("--store-latency-ms", type=float, default=1.0)
+    p.add_argument("--store-policy", choices=STORE_POLICIES, default="lru")
+    p.add_argument(
+        "--store-write-through",
+        action="store_true",
+        help="store blocks as computed (as LMCache, Mooncake Store), not as HBM evicts them",
+    )
+    p.add_argument(
+        "--peer-gbps", type=float, default=0.0, help="peer pulls between engines, GB/s (0: none)"
+    )
+    p.add_argument("--peer-latency-ms", type=float, default=0.2)
     p.add_argument("--describe", type=Path, default=None, help="write the engines as JSON")
     p.add_argument("--router-config", type=Path, default=None, help="write a router config")
 
@@ -119,6 +138,11 @@ def fleet_config(a: argparse.Namespace) -> FleetConfig:
         max_loras=a.max_loras,
         lora_load_ms=a.lora_load_ms,
         pooling=a.runner == "pooling",
+        store_blocks=a.store_blocks,
+        store_link=Link(a.store_gbps, a.store_latency_ms),
+        store_policy=a.store_policy,
+        store_write_through=a.store_write_through,
+        peer_link=Link(a.peer_gbps, a.peer_latency_ms) if a.peer_gbps > 0 else None,
     )
 
 
@@ -144,6 +168,15 @@ def router_config_yaml(fleet: SimFleet) -> str:
     }
     if any(e.cfg.kv_role != "both" for e in fleet.engines):
         doc["pd"] = {"connector": fleet.cfg.kv_connector}
+    cfg = fleet.cfg
+    if fleet.store is not None:  # the store, as an operator renders a remote tier
+        link = {"bandwidth_gbps": cfg.store_link.bandwidth_gbps}
+        link["latency_ms"] = cfg.store_link.latency_ms
+        doc["shared_stores"] = [{"name": SIM_STORE, "link": link}]
+    if cfg.peer_link is not None:
+        peer = {"bandwidth_gbps": cfg.peer_link.bandwidth_gbps}
+        peer["latency_ms"] = cfg.peer_link.latency_ms
+        doc["peer_pull"] = {"link": peer}
     return str(yaml.safe_dump(doc, sort_keys=False))
 
 

@@ -30,7 +30,7 @@ from typing import Any, Final
 from kvplane.router.tokens import ChatFormatError, ChatOptions, PromptTokenizer
 from kvplane.sim import openai_api as api
 from kvplane.sim import pd, surface
-from kvplane.sim.engine import EngineCore, EngineStats, SimRequest, StepOutput
+from kvplane.sim.engine import EngineCore, EngineStats, Fabric, SimRequest, StepOutput
 from kvplane.sim.hashing import block_hashes
 from kvplane.sim.httpd import HttpServer, Request, Response, StreamingResponse
 from kvplane.sim.lora import LoraConfig, LoraRequest, info_labels
@@ -88,6 +88,7 @@ class SimEngineConfig:
     # serve /v1/embeddings, /v1/score, /v1/rerank too (vLLM serves them for a pooling
     # model, --runner pooling; a generative one answers them 404)
     pooling: bool = False
+    fabric: Fabric | None = None  # the fleet's shared store and peer pulls (SimFleet)
 
     @property
     def max_model_len(self) -> int:
@@ -183,6 +184,7 @@ class SimEngine:
             output_token_id=self.out.token_id,
             enable_prefix_caching=cfg.enable_prefix_caching,
             lora=cfg.lora,
+            fabric=cfg.fabric,
         )
         self.loras = cfg.lora.by_name() if cfg.lora is not None else {}
         # vllm:lora_requests_info: label set -> when it was last set (vLLM keeps them all)
@@ -342,6 +344,18 @@ class SimEngine:
             self._deliver(out, wall_start + out.duration_s * scale)
             next_start = end
 
+    def _publish_store_events(self) -> None:
+        """The shared store's events since the last step of any engine, each on the
+        stream of the engine that wrote the block (an eviction included), as the
+        discrete-event mode delivers them."""
+        fabric = self.cfg.fabric
+        if fabric is None or fabric.store is None:
+            return
+        for writer, events in fabric.store.take_events().items():
+            engine = self.registry.by_name.get(writer) if self.registry is not None else None
+            if engine is not None and engine.publisher is not None:
+                engine.publisher.publish(events)
+
     def _note_scheduled(self, wall: float) -> None:
         if not self._unscheduled:
             return
@@ -358,6 +372,7 @@ class SimEngine:
         c.busy_s += out.duration_s
         if out.events and self.publisher is not None:
             self.publisher.publish(out.events)
+        self._publish_store_events()
         scale = self.cfg.time_scale
         interval = self.cfg.stream_interval
         h = self.hists
@@ -1049,16 +1064,20 @@ class EngineRegistry:
         self.by_id: dict[str, SimEngine] = {}
         self.by_addr: dict[str, SimEngine] = {}
         self.by_bootstrap: dict[str, SimEngine] = {}
+        self.by_name: dict[str, SimEngine] = {}  # a shared store's writers
         self.board = pd.HandoffBoard()  # concurrent P/D legs meet here
 
     def add(self, engine: SimEngine) -> None:
         self.by_id[engine.cfg.engine_id] = engine
+        self.by_name[engine.cfg.name] = engine
         self.by_addr[f"{engine.cfg.host}:{engine.port}"] = engine
         if engine.bootstrap_port is not None:
             self.by_bootstrap[f"{engine.cfg.host}:{engine.bootstrap_port}"] = engine
 
     def remove(self, engine: SimEngine) -> None:
         self.by_id.pop(engine.cfg.engine_id, None)
+        if self.by_name.get(engine.cfg.name) is engine:
+            del self.by_name[engine.cfg.name]
         self.by_addr.pop(f"{engine.cfg.host}:{engine.port}", None)
         if engine.bootstrap_port is not None:
             self.by_bootstrap.pop(f"{engine.cfg.host}:{engine.bootstrap_port}", None)
