@@ -146,6 +146,13 @@ class CostParams(_Strict):
         "it saves (docs/router.md: the tail guard)",
     )
     tail_guard_slack_ms: Annotated[float, Field(ge=0)] = 2000.0
+    new_prefix_share: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.25,
+        description="a prompt no pod holds this share of is a new prefix: it goes to the "
+        "pod sent the least prefill work lately among those predicted within this share "
+        "of the fastest TTFT, so a short common head (a system prompt) does not pull every "
+        "new conversation onto the pod that holds it (0: off; docs/router.md)",
+    )
     load_cap: Annotated[float, Field(ge=1)] = Field(
         default=2.0,
         description="a pod with more than load_cap x the mean in-flight requests (+ slack) is "

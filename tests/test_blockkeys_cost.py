@@ -310,3 +310,25 @@ def test_tail_guard_keeps_a_request_from_waiting_behind_a_long_queue_for_its_pre
     near = {"a": PodLoad(pending_prefill_tokens=4_000, pending_requests=1, inflight=1)}
     near["b"] = PodLoad()
     assert choose_by_cost(guarded, 2_000, {"a": match(h=190), "b": match()}, near).pod == "a"
+
+
+def test_a_new_prefix_spreads_instead_of_following_a_short_common_head() -> None:
+    """A prompt of which no pod holds new_prefix_share goes to the pod sent the least
+    prefill lately among those about as fast: a shared system prompt cached on one pod
+    does not pull every new conversation there (its follow-ups then find it spread)."""
+    loads = {
+        "hot": PodLoad(recent_prefill_tokens=500_000.0),
+        "cold": PodLoad(recent_prefill_tokens=1_000.0),
+    }
+    keys = {"hot": match(h=10), "cold": match()}  # 100 of 1000 tokens: a 10 % head
+    # off: the weight keeps it with the head (6 x 10 ms of recompute saved)
+    off = CostModel(P.model_copy(update={"new_prefix_share": 0.0}), 10, 1000)
+    assert choose_by_cost(off, 1000, keys, loads).pod == "hot"
+    spread = CostModel(P.model_copy(update={"new_prefix_share": 0.25}), 10, 1000)
+    d = choose_by_cost(spread, 1000, keys, loads)
+    assert d.pod == "cold" and d.ranked == ["cold", "hot"]
+    # a prompt that is mostly cached somewhere is not new: it stays with its prefix
+    assert choose_by_cost(spread, 1000, {"hot": match(h=60), "cold": match()}, loads).pod == "hot"
+    # nor does a new prefix go to a pod much slower than the fastest
+    busy = {**loads, "cold": PodLoad(pending_prefill_tokens=20_000, pending_requests=1)}
+    assert choose_by_cost(spread, 1000, keys, busy).pod == "hot"

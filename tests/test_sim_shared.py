@@ -161,7 +161,8 @@ def _small_hbm(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def chats() -> workloads.Workload:
-    return workloads.multi_round_qa(users=12, rounds=4, history_len=4000, qps=4.0)
+    """More conversation than the three small pods' HBM holds even spread over them."""
+    return workloads.multi_round_qa(users=24, rounds=4, history_len=4000, qps=4.0)
 
 
 def test_des_routes_on_the_shared_store_and_keys_every_event(

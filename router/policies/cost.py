@@ -88,10 +88,20 @@ def choose_by_cost(
         return (score[p], loads[p].inflight, p)
 
     ranked = sorted(eligible, key=rank_key) + sorted(set(pods) - set(eligible), key=rank_key)
-    # Near-ties go to the pod sent the least prefill work lately: queues that look equal now
-    # say little about the requests that will follow this prompt's prefix.
-    limit = score[ranked[0]] * (1 + params.balance_band)
-    band = [p for p in eligible if score[p] <= limit]
+    top_share = max(t.cached_tokens for t in terms.values()) / max(1, prompt_tokens)
+    if top_share < params.new_prefix_share:
+        # A new prefix: what it can reuse anywhere is a small head, and where its own KV
+        # goes decides where its follow-ups find it; spread it by recent prefill work
+        # among the pods that are about as fast, as for near-ties below.
+        fastest = min(terms[p].ttft_ms for p in eligible)
+        # a pod that holds the head saves at most that share of the prompt's prefill
+        reach = fastest / (1.0 - top_share) * (1 + params.balance_band)
+        band = [p for p in eligible if terms[p].ttft_ms <= reach]
+    else:
+        # Near-ties go to the pod sent the least prefill work lately: queues that look
+        # equal now say little about the requests that will follow this prompt's prefix.
+        limit = score[ranked[0]] * (1 + params.balance_band)
+        band = [p for p in eligible if score[p] <= limit]
     if len(band) > 1:
         pick = min(band, key=lambda p: (loads[p].recent_prefill_tokens, rank_key(p)))
         ranked.remove(pick)
