@@ -188,6 +188,24 @@ def test_long_uncached_prompt_is_disaggregated() -> None:
     assert (d.prefill, d.decode) == ("p0", "d0") and d.prefill_ranked == ["p0"]
 
 
+def test_a_lora_request_pays_its_adapter_where_the_prefill_runs() -> None:
+    """The pod computing the prefill loads the request's adapter unless it runs it: of
+    two idle prefill pods, the one with the adapter running is chosen, and the other's
+    option carries the adapter's load."""
+    from kvplane.router.engine_stats import LoraState
+
+    warm = replace(IDLE, lora=LoraState(running=frozenset({"sql"}), max_loras=2))
+    cold = replace(IDLE, lora=LoraState(max_loras=2))
+    c = cands({"p0": cold, "p1": warm}, {"d0": IDLE}, {})
+    d = choose_pd(MODEL, 4000, {}, c, adapter="sql")
+    assert d.disaggregated and d.prefill == "p1"
+    by_prefill = {o.prefill: o for o in d.options if o.prefill is not None}
+    assert by_prefill["p1"].prefill_terms.adapter_ms == 0.0
+    assert by_prefill["p0"].prefill_terms.adapter_ms == P.adapter_load_ms > 0
+    base = choose_pd(MODEL, 4000, {}, c)  # the base model loads nothing anywhere
+    assert all(o.prefill_terms.adapter_ms == 0.0 for o in base.options)
+
+
 def test_prompt_mostly_resident_on_a_decode_pod_skips_the_prefill_pool() -> None:
     # 4000 tokens, d1 holds 3840 of them (240 blocks): it lacks 160 <= 256
     d = choose_pd(MODEL, 4000, {"d1": hbm(240)}, cands({"p0": IDLE}, {"d0": IDLE, "d1": IDLE}, {}))

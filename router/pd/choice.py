@@ -160,18 +160,20 @@ def choose_pd(
     *,
     can_aggregate: bool = True,
     multi_sequence: bool = False,
+    adapter: str | None = None,
 ) -> PDDecision:
     """Cheapest option by score; ``can_aggregate`` False (SGLang decode servers take
     only handed-off requests) leaves pairs only. ``cands.alone``: prefill pods (not
     decode pods) that may serve a request they hold nearly all of alone
-    (``prefill_serves_resident``), never a handoff's decode leg."""
+    (``prefill_serves_resident``), never a handoff's decode leg. ``adapter``: the
+    request's LoRA adapter, whose loading the pod that computes the prefill pays."""
     prefill_loads, decode_loads = cands.prefill, cands.decode
     if not decode_loads:
         raise ValueError("no decode candidates")
     params, pd = model.params, model.pd
 
     def terms(pod: str, load: PodLoad) -> CostTerms:
-        return model.cost.predict(pod, prompt_tokens, matches.get(pod, {}), load)
+        return model.cost.predict(pod, prompt_tokens, matches.get(pod, {}), load, adapter)
 
     exposure = _exposures(model, cands)
     aggregated = {

@@ -180,11 +180,14 @@ class PDService:
 
     async def route(self, req: ParsedRequest) -> PDRouted:
         tokens, keys = await self.pipeline.tokens_and_keys(req)
+        multi = protocols.multi_sequence(req.body)
         with tracing.span("kvplane.choose"):
-            routed = await self.decide(tokens, keys, protocols.multi_sequence(req.body))
+            routed = await self.decide(tokens, keys, multi, self.pipeline.adapter(req.model))
         return dataclasses.replace(routed, max_tokens=req.max_tokens)
 
-    async def decide(self, tokens: list[int], keys: list[int], multi: bool = False) -> PDRouted:
+    async def decide(
+        self, tokens: list[int], keys: list[int], multi: bool = False, adapter: str | None = None
+    ) -> PDRouted:
         prefill, decode = self.candidates()
         aggregate_ok = can_aggregate(self.pd.connector)
         if not decode or (not prefill and not aggregate_ok):
@@ -208,6 +211,7 @@ class PDService:
             cands,
             can_aggregate=aggregate_ok,
             multi_sequence=multi,
+            adapter=adapter,
         )
         return PDRouted(tokens, keys, decision, matches)
 
