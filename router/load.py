@@ -24,6 +24,8 @@ class LoadCounters:
     pending_requests: int = 0  # requests of the above
     pending_pairs: float = 0.0  # their prefill attention work (cost.attention_pairs)
     scraped_pending_requests: int = 0  # pending_requests when the last scrape was taken
+    finished: int = 0  # requests sent here that have ended (Attempt.end)
+    scraped_finished: int = 0  # finished when the last scrape was taken
     inflight: int = 0  # requests sent (or booked) and not finished
     inflight_tokens: int = 0  # prompt tokens of the requests in flight here
     recent_tokens: float = 0.0  # uncached prompt tokens routed here, decayed
@@ -90,6 +92,7 @@ class Attempt:
             self.first()
             self.done = True
             self.counters.unbook(self.context_tokens)
+            self.counters.finished += 1
 
 
 @dataclass(slots=True)

@@ -62,6 +62,13 @@ class BackendState(LoadCounters):
         self.stats = stats
         self.scraped_at = now
         self.scraped_pending_requests = self.pending_requests
+        self.scraped_finished = self.finished
+
+    def running_now(self) -> float:
+        """The engine's running requests as last scraped, less the router's own that
+        have ended since: a scrape is up to an interval old, and a request it counted
+        may be long done."""
+        return max(0.0, self.stats.running - (self.finished - self.scraped_finished))
 
     def still_for(self, since: float) -> float:
         """Seconds the engine has computed nothing since ``since`` (monotonic), as far as
@@ -80,7 +87,7 @@ class BackendState(LoadCounters):
             inflight_tokens=self.inflight_tokens,
             engine_waiting=self.stats.waiting,
             scraped_pending_requests=self.scraped_pending_requests,
-            engine_running=self.stats.running,
+            engine_running=self.running_now(),
             kv_usage=self.stats.kv_usage,
             mean_request_tokens=mean_request_tokens,
             lora=self.stats.lora,

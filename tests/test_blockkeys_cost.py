@@ -115,6 +115,25 @@ def test_a_stale_scrape_of_the_routers_own_requests_adds_no_queue() -> None:
     assert state.load(1024.0, now=0.0).scraped_pending_requests == 3
 
 
+def test_a_stale_scrape_of_the_routers_finished_requests_counts_them_no_more() -> None:
+    """The scrape saw the router's 2 requests running; one has ended since: the pod
+    runs at most one (a request the scrape never saw still counts by the router's own)."""
+    from kvplane.router.load import Attempt
+
+    state = BackendState(Backend(name="p", url="http://p"))
+    attempts = [Attempt(state, 10, 0.0, 10) for _ in range(2)]
+    for a in attempts:
+        a.begin()
+        a.first()
+    state.observe(EngineStats(running=2.0))
+    attempts[0].end()
+    assert state.load(1024.0, now=0.0).engine_running == 1.0
+    attempts[1].end()
+    assert state.load(1024.0, now=0.0).engine_running == 0.0
+    state.observe(EngineStats(running=1.0))  # someone else's request: counted again
+    assert state.load(1024.0, now=0.0).engine_running == 1.0
+
+
 def test_cost_prefers_the_cached_pod_until_its_queue_costs_more() -> None:
     loads = {"a": PodLoad(), "b": PodLoad()}
     d = choose_by_cost(M, 2000, {"a": match(h=150), "b": match()}, loads)

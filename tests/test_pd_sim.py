@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import httpx
 import openai
 import pytest
 from kvplane.router.config import RouterConfig
-from support.router_server import CHAT_TEMPLATE, RunningRouter, deepseek_tokenizer_dir, serve_router
+from support.router_server import RunningRouter, chat_tokenizer_dir, serve_router
 
 from kvplane.sim.fleet import FleetConfig, SimFleet, running_fleet
 
@@ -33,14 +32,7 @@ ROLES = ("prefill", "prefill", "decode", "decode")
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The DeepSeek tokenizer with the tests' chat template in its config, so that the
-    simulator and the router render chats alike."""
-    d = deepseek_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-    cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return d
+    return chat_tokenizer_dir(tmp_path_factory.mktemp("tok"))
 
 
 @contextlib.contextmanager

@@ -200,16 +200,7 @@ def test_nixl_handoff_through_the_router(nixl_pair: list[VllmEngine], tiny_model
         assert pulled.get("vllm:nixl_num_failed_transfers_total", 0) == 0, pulled
 
         # D now holds the prompt: the same prompt is served there without the prefill
-        # pool, and vLLM reports the reuse. First both pods must be idle as the router
-        # sees them: a scrape taken while the first request ran counts it running on d0
-        # until the next scrape (an interval), and a pod running requests pays for
-        # stalling them (bounded wait on the condition)
-        states = router.router.pool.states
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(
-            states[p].inflight or states[p].stats.running for p in ("p0", "d0")
-        ):
-            time.sleep(0.1)
+        # pool, and vLLM reports the reuse
         again = oc.completions.with_raw_response.create(model="tiny", prompt=LONG, max_tokens=2)
         assert again.headers["x-kvplane-reason"] == "aggregated_resident_on_decode"
         usage = again.parse().usage

