@@ -373,6 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     index_arguments(x)
     x.set_defaults(handler=_bench_index)
+    cal = bsub.add_parser(
+        "calibration", help="a GPU's measured forward, decode and copy times beside the simulator's"
+    )
+    from kvplane.bench.calibration import add_arguments as calibration_arguments
+    from kvplane.bench.calibration import run as calibration_run
+
+    calibration_arguments(cal)
+    cal.set_defaults(handler=calibration_run)
     s = bsub.add_parser(
         "soak", help="the router under steady traffic for a long time: memory, FDs, index size"
     )
