@@ -351,6 +351,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="lru",
         help="des fleet shapes: the shared store's eviction (slru keeps reused blocks)",
     )
+    p.add_argument(
+        "--store-bound",
+        action="store_true",
+        help="des fleet shapes with a store: replay its accesses under lru, slru and "
+        "Belady's optimum (the most any eviction policy could keep)",
+    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -642,6 +648,9 @@ def _shaped(args: argparse.Namespace, base: DesOptions) -> list[tuple[str, DesOp
     out: list[tuple[str, DesOptions]] = []
     for name in names:
         shape = fleet_shape(name, args.engines, dram_blocks, getattr(args, "store_policy", "lru"))
+        kv = shape.shared_kv
+        if kv is not None and kv.store_blocks and getattr(args, "store_bound", False):
+            shape = replace(shape, shared_kv=replace(kv, store_bound=True))
         notes = [*base.notes, f"shape {name}"]
         opts = replace(
             base,
@@ -661,6 +670,14 @@ def _print_row(r: dict[str, Any]) -> None:
         f"err {r['errors']}  cpu {r['router_cpu_s']:.1f}s  lag {r.get('sim_max_lag_s', 0)}s",
         flush=True,
     )
+    bound = r.get("store_bound_blocks")
+    if bound:  # the store's own stream under each policy (kvplane.sim.store_bound)
+        lru = bound.get("lru") or 1
+        print(
+            "    store loads found, same stream: "
+            + ", ".join(f"{p} {n:,} ({n / lru:.3f} x lru)" for p, n in bound.items()),
+            flush=True,
+        )
 
 
 def _with_quantiles(

@@ -57,6 +57,7 @@ from kvplane.sim import events as se
 from kvplane.sim.engine import EngineCore, Fabric, SimRequest, StepOutput
 from kvplane.sim.kvcache import SIM_STORE, Link, PeerFabric, SharedStore
 from kvplane.sim.profiles import PROFILES, EngineProfile
+from kvplane.sim.store_bound import REPLAY_POLICIES, replay
 from kvplane.workload.results import (
     RequestResult,
     RunRecord,
@@ -219,6 +220,7 @@ class SharedKV:
     peer_link: Link | None = None
     write_through: bool = False  # engines store blocks as computed, not as HBM evicts them
     store_policy: str = "lru"  # the store's eviction: lru or slru (kvcache.SharedStore)
+    store_bound: bool = False  # replay the store's accesses under other policies (store_bound)
 
     def router_side(self) -> tuple[SharedStores, LinkCost | None]:
         """What the router's config says of this fleet."""
@@ -286,7 +288,7 @@ class _Sim:
         names = [f"e{i:0{width}d}" for i in range(engines)]
         bs = self.block_size
         self.store = (
-            SharedStore(kv.store_blocks, bs, kv.store_link, kv.store_policy)
+            SharedStore(kv.store_blocks, bs, kv.store_link, kv.store_policy, trace=kv.store_bound)
             if kv.store_blocks
             else None
         )
@@ -592,6 +594,12 @@ def run_des(
     if sim.store is not None:
         record.extra["shared_store_blocks"] = len(sim.store)
         record.extra["shared_store_capacity"] = sim.store.capacity
+        record.extra["shared_store_found_blocks"] = sim.store.found
+        if sim.store.trace is not None:  # the same stream under every policy, Belady's too
+            record.extra["store_bound_blocks"] = {
+                p: replay(sim.store.trace, sim.store.capacity, p) for p in REPLAY_POLICIES
+            }
+            sim.store.trace = None
     if opts.shared_kv is not None:  # tokens the engines loaded from CPU, store or peers
         stats = [e.core.stats() for e in sim.engines.values()]
         record.extra["external_hit_tokens"] = sum(st.external_prefix_cache_hits for st in stats)

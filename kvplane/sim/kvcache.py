@@ -143,13 +143,23 @@ class SharedStore:
         "capacity",
         "entries",
         "events",
+        "found",
         "link",
         "policy",
         "protected",
         "protected_cap",
+        "trace",
     )
 
-    def __init__(self, capacity: int, block_size: int, link: Link, policy: str = "lru") -> None:
+    def __init__(
+        self,
+        capacity: int,
+        block_size: int,
+        link: Link,
+        policy: str = "lru",
+        *,
+        trace: bool = False,
+    ) -> None:
         if capacity < 1:
             raise ValueError("a shared store needs at least one block")
         if policy not in STORE_POLICIES:
@@ -163,6 +173,9 @@ class SharedStore:
         self.protected: OrderedDict[bytes, tuple[BlockMeta, str]] = OrderedDict()
         self.protected_cap = int(capacity * PROTECTED_SHARE) if policy == "slru" else 0
         self.events: dict[str, list[KVEvent]] = {}  # writer -> its events, in order
+        self.found = 0  # blocks loads found here
+        # with ``trace``: every write and load attempt, in order (kvplane.sim.store_bound)
+        self.trace: list[tuple[bool, tuple[bytes, ...]]] | None = [] if trace else None
 
     def __len__(self) -> int:
         return len(self.entries) + len(self.protected)
@@ -179,6 +192,8 @@ class SharedStore:
         (one ``BlockStored`` per run of new blocks), known ones refreshed in their
         segment (a write is not a reuse)."""
         entries, protected = self.entries, self.protected
+        if self.trace is not None:
+            self.trace.append((True, tuple(h for h, _ in blocks)))
         run: list[BlockMeta] = []
         for h, meta in blocks:
             if h in entries or h in protected:
@@ -219,11 +234,14 @@ class SharedStore:
         """How many consecutive blocks ``hashes[start:end]`` are here. A load refreshes
         them tail first (as the CPU tier does), so a prefix's head is the last of it to
         go; under ``slru`` it also protects them."""
+        if self.trace is not None:
+            self.trace.append((False, tuple(hashes[start:end])))
         stop = start
         while stop < end and hashes[stop] in self:
             stop += 1
         for i in range(stop - 1, start - 1, -1):
             self._touch(hashes[i])
+        self.found += stop - start
         return stop - start
 
     def _touch(self, h: bytes) -> None:
