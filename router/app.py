@@ -646,7 +646,12 @@ def _explain_body(router: Router, routed: Routed) -> dict[str, Any]:
             if t.store is not None:
                 entry["shared_store"] = t.store
             if t.peer is not None:
-                entry["peer_pull"] = {"pod": t.peer, "tokens": t.peer_tokens, "ms": t.peer_ms}
+                entry["peer_pull"] = {
+                    "pod": t.peer,
+                    "link": t.peer_link.value if t.peer_link is not None else None,
+                    "tokens": t.peer_tokens,
+                    "ms": t.peer_ms,
+                }
         candidates.append(entry)
     return {
         "pod": d.pod,

@@ -301,12 +301,23 @@ class SharedStoreSpec(_Strict):
 
 class PeerPullSpec(_Strict):
     """The engines can pull KV from each other (vLLM's NIXL connector, LMCache P2P,
-    Mooncake's transfer engine): a prefix in another pod's HBM or DRAM is an option."""
+    Mooncake's transfer engine): a prefix in another pod's HBM or DRAM is an option,
+    over the link between the two pods (its class from their node and zone labels, as
+    for P/D handoffs)."""
 
     link: LinkCost = Field(
         default_factory=lambda: LinkCost(bandwidth_gbps=40.0, latency_ms=0.2),
-        description="pod to pod, into the puller's HBM",
+        description="pod to pod, into the puller's HBM: every pair whose link class is "
+        "not in `links`",
     )
+    links: dict[LinkClass, LinkCost] = Field(
+        default_factory=dict,
+        description="per link class of the pair (same_node, same_zone, cross_zone, from "
+        "the pods' node and zone labels); a class left out uses `link`",
+    )
+
+    def link_for(self, cls: LinkClass) -> LinkCost:
+        return self.links.get(cls, self.link)
 
 
 class TracingConfig(_Strict):

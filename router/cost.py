@@ -26,18 +26,21 @@ and the cheapest kept, which is "recompute when transfer is slower". A pool's
 shared store is the remote tier of the pods that read it, at the store's link
 (``router.shared``). Where pods can pull KV from each other (``peer_pull``), one
 more option is costed: pull the prefix another pod holds in HBM or DRAM (a
-``PeerOffer``) over the pod-to-pod link, beyond what is resident here.
+``PeerOffer``) over the link between the two pods (its class from their node and zone
+labels, ``router.pd.topology``), beyond what is resident here; of the holders, the one
+whose pull plus recompute of the rest is cheapest.
 Pure functions only: the router, the explain endpoint and the discrete-event
 simulator share them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvplane.router.config import CostParams, LinkCost, RouterConfig, TierCost
+from kvplane.router.config import CostParams, LinkClass, PeerPullSpec, RouterConfig, TierCost
 from kvplane.router.engine_stats import LoraState
+from kvplane.router.pd.topology import Place, place_class, place_of
 from kvplane.router.pd.topology import transfer_ms as link_ms
 from kvplane.router.shared import SharedStores
 from kvplane.router.tiers import TIER_ORDER, Tier
@@ -75,6 +78,7 @@ class CostTerms:
     peer: str | None = None  # the pod a prefix is pulled from (peer_pull)
     peer_tokens: int = 0  # tokens pulled from it (part of cached_tokens)
     peer_ms: float = 0.0  # their transfer (part of transfer_ms)
+    peer_link: LinkClass | None = None  # the class of the link it comes over
 
     @property
     def ttft_ms(self) -> float:
@@ -142,25 +146,54 @@ def adapter_load_ms(adapter: str | None, lora: LoraState | None, params: CostPar
 
 @dataclass(frozen=True, slots=True)
 class PeerOffer:
-    """Another pod's resident prefix of the prompt: blocks it holds in HBM or DRAM."""
+    """Another pod's resident prefix of the prompt: blocks it holds in HBM or DRAM, and
+    the class of the link between it and the pod that would pull them."""
 
     pod: str
     blocks: int
+    link: LinkClass = LinkClass.SAME_ZONE
 
 
-def peer_offers(matches: Mapping[str, Mapping[Tier, int]], pods: list[str]) -> dict[str, PeerOffer]:
-    """Per pod, the other pod holding the longest prefix in HBM or DRAM (none where no
-    other pod holds any)."""
-    best = sorted(
-        ((matches.get(p, {}).get(Tier.DRAM, 0), p) for p in pods), key=lambda x: (-x[0], x[1])
-    )[:2]
-    out: dict[str, PeerOffer] = {}
+def peer_offers(
+    matches: Mapping[str, Mapping[Tier, int]],
+    pods: Sequence[str],
+    labels: Mapping[str, Mapping[str, str]] | None = None,
+) -> dict[str, list[PeerOffer]]:
+    """Per pod, the holders worth costing: for each class of link from it, the other pod
+    holding the longest prefix in HBM or DRAM over a link of that class (ties: by name).
+    Over one link a pull's cost is concave in the blocks pulled (each one costs the same
+    transfer and saves more recompute than the one before, its attention reaching
+    further back), so a shorter holder of the same class is never cheaper than both the
+    longest one and pulling nothing; ``CostModel.predict`` compares the classes.
+    ``labels``: the pods' node and zone labels (absent: one zone, different nodes)."""
+    labels = labels or {}
+    places = {p: place_of(labels.get(p, {})) for p in pods}
+    # the two longest holders per place: one of them may be the puller itself
+    tops: dict[Place, list[tuple[int, str]]] = {}
+    for p in pods:
+        blocks = matches.get(p, {}).get(Tier.DRAM, 0)
+        if blocks > 0:
+            tops.setdefault(places[p], []).append((-blocks, p))
+    for held in tops.values():
+        held.sort()
+        del held[2:]
+    classes: dict[tuple[Place, Place], LinkClass] = {}
+    out: dict[str, list[PeerOffer]] = {}
     for pod in pods:
-        for blocks, other in best:
-            if other != pod:
-                if blocks > 0:
-                    out[pod] = PeerOffer(other, blocks)
+        here = places[pod]
+        best: dict[LinkClass, tuple[int, str]] = {}
+        for place, held in tops.items():
+            for key in held:
+                if key[1] == pod:
+                    continue
+                cls = classes.get((here, place))
+                if cls is None:
+                    cls = classes[(here, place)] = place_class(here, place)
+                if cls not in best or key < best[cls]:
+                    best[cls] = key
                 break
+        if best:
+            out[pod] = [PeerOffer(o, -neg, c) for c, (neg, o) in sorted(best.items())]
     return out
 
 
@@ -174,14 +207,14 @@ class CostModel:
     kv_bytes_per_token: int
     # the pool's shared stores: each reader's remote tier is its store, at its link
     shared: SharedStores = field(default_factory=SharedStores)
-    peer_link: LinkCost | None = None  # pods pull KV from each other over this (None: never)
+    # pods pull KV from each other over the link of each pair's class (None: never)
+    peer_pull: PeerPullSpec | None = None
 
     @classmethod
     def of(cls, config: RouterConfig) -> CostModel:
         m = config.model
-        peer = None if config.peer_pull is None else config.peer_pull.link
         shared = SharedStores.of(config.shared_stores)
-        return cls(config.cost, m.block_size, m.kv_bytes_per_token, shared, peer)
+        return cls(config.cost, m.block_size, m.kv_bytes_per_token, shared, config.peer_pull)
 
     def predict(
         self,
@@ -191,12 +224,12 @@ class CostModel:
         load: PodLoad,
         adapter: str | None = None,
         *,
-        peer: PeerOffer | None = None,
+        peers: Sequence[PeerOffer] = (),
     ) -> CostTerms:
         """Cost terms of serving ``prompt_tokens`` on ``pod`` given its resident prefix
         (``match``: leading blocks held per tier or a faster one); ``adapter``: the
-        request's LoRA adapter, None for the base model; ``peer``: with peer pulls, the
-        longest prefix another pod could send it."""
+        request's LoRA adapter, None for the base model; ``peers``: with peer pulls, the
+        prefixes other pods could send it (``peer_offers``), each over its pair's link."""
         params, block_size = self.params, self.block_size
         tiers = self.shared.tier_costs(pod, params.tiers) if self.shared else params.tiers
         # The engine always computes the last prompt token, so at most n-1 are reusable.
@@ -227,17 +260,20 @@ class CostModel:
             if total < best_total:
                 best_total, best_transfer, best_covered = total, transfer, covered
                 best_loaded, best_loaded_ms = loaded, loaded_ms
-        pulled, pull_ms, source = 0, 0.0, None
-        if peer is not None and self.peer_link is not None:
+        pulled, pull_ms, source, via = 0, 0.0, None, None
+        pull = self.peer_pull
+        for peer in peers if pull is not None else ():
             # the peer sends what is not resident here; the rest is recomputed
             extra = min(peer.blocks * block_size, reusable) - resident
-            if extra > 0:
-                ms = link_ms(extra, self.kv_bytes_per_token, self.peer_link)
-                total = ms + recompute(resident + extra)
-                if total < best_total:
-                    pulled, pull_ms, source = extra, ms, peer.pod
-                    best_transfer, best_covered = ms, resident + extra
-                    best_loaded, best_loaded_ms = {}, {}
+            if extra <= 0 or pull is None:
+                continue
+            ms = link_ms(extra, self.kv_bytes_per_token, pull.link_for(peer.link))
+            total = ms + recompute(resident + extra)
+            if total < best_total:
+                best_total = total
+                pulled, pull_ms, source, via = extra, ms, peer.pod, peer.link
+                best_transfer, best_covered = ms, resident + extra
+                best_loaded, best_loaded_ms = {}, {}
         store = None
         if Tier.REMOTE in best_loaded and self.shared:
             store = self.shared.store_of(pod)
@@ -254,4 +290,5 @@ class CostModel:
             peer=source,
             peer_tokens=pulled,
             peer_ms=pull_ms,
+            peer_link=via,
         )

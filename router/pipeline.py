@@ -316,8 +316,16 @@ class RoutingPipeline:
                 f"'{self.config.model.name}' ({len(self.pool.states)} configured, none healthy)",
             )
         loads = self.pool.loads(pods)
+        labels = None
+        if self.cost.peer_pull is not None:  # peer pulls cost each pair's link
+            labels = {p: states[p].backend.labels for p in pods}
         inp = RoutingInput(
-            prompt.n_tokens, prompt.tokens, prompt.keys, loads, adapter=prompt.adapter
+            prompt.n_tokens,
+            prompt.tokens,
+            prompt.keys,
+            loads,
+            adapter=prompt.adapter,
+            labels=labels,
         )
         with tracing.span("kvplane.choose"):
             decision, matches = await route(

@@ -6,7 +6,15 @@ from dataclasses import replace
 
 import pytest
 from kvplane.router.blockkeys import block_keys, chain_keys, generation_root
-from kvplane.router.config import Backend, CostParams, LinkCost, SharedStoreSpec, TierCost
+from kvplane.router.config import (
+    Backend,
+    CostParams,
+    LinkClass,
+    LinkCost,
+    PeerPullSpec,
+    SharedStoreSpec,
+    TierCost,
+)
 from kvplane.router.cost import CostModel, PeerOffer, PodLoad, peer_offers
 from kvplane.router.engine_stats import EngineStats
 from kvplane.router.generation import generation_tag
@@ -227,31 +235,108 @@ def test_a_peer_pull_is_costed_against_loading_and_recompute() -> None:
     """Pulling a's prefix into b beats recomputing it; a local tier that is faster
     still wins; without peer_pull configured nothing is pulled."""
     link = LinkCost(bandwidth_gbps=40.0, latency_ms=0.2)
-    model = replace(M, peer_link=link)
-    t = model.predict("b", 1000, match(h=10), PodLoad(), peer=PeerOffer("a", 100))
+    model = replace(M, peer_pull=PeerPullSpec(link=link))
+    t = model.predict("b", 1000, match(h=10), PodLoad(), peers=[PeerOffer("a", 100)])
     assert t.peer == "a" and t.peer_tokens == 899 and t.cached_tokens == 999
     assert t.peer_ms == pytest.approx(0.2 + 899 * M.kv_bytes_per_token / 40e9 * 1000)
     assert t.transfer_ms == t.peer_ms and t.recompute_ms == pytest.approx(0.1)
     fast = replace(
         model, params=P.model_copy(update={"tiers": {Tier.DRAM: TierCost(bandwidth_gbps=1000.0)}})
     )
-    t = fast.predict("b", 1000, match(d=100), PodLoad(), peer=PeerOffer("a", 100))
+    t = fast.predict("b", 1000, match(d=100), PodLoad(), peers=[PeerOffer("a", 100)])
     assert t.peer is None and t.loaded_from == {Tier.DRAM: 999}
-    assert M.predict("b", 1000, match(), PodLoad(), peer=PeerOffer("a", 100)).peer is None
+    assert M.predict("b", 1000, match(), PodLoad(), peers=[PeerOffer("a", 100)]).peer is None
     # the policy offers each pod the best other pod's HBM-or-DRAM prefix
     busy = PodLoad(pending_prefill_tokens=100_000, pending_requests=5, inflight=5)
     d = choose_by_cost(model, 2000, {"a": match(h=150), "b": match()}, {"a": busy, "b": PodLoad()})
     assert d.pod == "b" and d.reason == Reason.PEER and d.terms["b"].peer == "a"
     assert peer_offers({"a": match(d=5), "b": match(h=3), "c": match()}, ["a", "b", "c"]) == {
-        "a": PeerOffer("b", 3),
-        "b": PeerOffer("a", 5),
-        "c": PeerOffer("a", 5),
+        "a": [PeerOffer("b", 3)],
+        "b": [PeerOffer("a", 5)],
+        "c": [PeerOffer("a", 5)],
     }
 
 
+NODE = LinkCost(bandwidth_gbps=400.0, latency_ms=0.05)
+NIC = LinkCost(bandwidth_gbps=5.0, latency_ms=0.5)
+FAR = LinkCost(bandwidth_gbps=1.0, latency_ms=2.0)
+
+
+def test_a_peer_pull_goes_over_its_pairs_link_class() -> None:
+    """`peer_pull.link` is every class's link until `links` names the class; a pull is
+    costed at the link of the pair's class."""
+    one = PeerPullSpec(link=NIC)
+    assert {one.link_for(c) for c in LinkClass} == {NIC}
+    per = PeerPullSpec(link=NIC, links={LinkClass.SAME_NODE: NODE, LinkClass.CROSS_ZONE: FAR})
+    assert per.link_for(LinkClass.SAME_NODE) == NODE and per.link_for(LinkClass.SAME_ZONE) == NIC
+    model = replace(M, peer_pull=per)
+    for cls, link in ((LinkClass.SAME_NODE, NODE), (LinkClass.CROSS_ZONE, FAR)):
+        t = model.predict("b", 1000, match(), PodLoad(), peers=[PeerOffer("a", 100, cls)])
+        assert t.peer == "a" and t.peer_link is cls and t.peer_tokens == 999
+        assert t.peer_ms == pytest.approx(
+            link.latency_ms + 999 * 1000 / (link.bandwidth_gbps * 1e6)
+        )
+    # a link slower than prefill: recomputing wins
+    crawl = replace(model, peer_pull=PeerPullSpec(link=LinkCost(bandwidth_gbps=0.001)))
+    assert crawl.predict("b", 1000, match(), PodLoad(), peers=[PeerOffer("a", 100)]).peer is None
+
+
+def test_peer_offers_give_the_longest_holder_of_each_link_class() -> None:
+    """Per puller, one offer per class of link from it: the longest holder of that class,
+    itself excluded (ties by name); a holder on the puller's node is same_node, one in
+    another labelled zone cross_zone, the rest same_zone."""
+    labels = {
+        "a": {"node": "n1", "zone": "z1"},
+        "b": {"node": "n1", "zone": "z1"},
+        "c": {"node": "n2", "zone": "z1"},
+        "d": {"node": "n3", "zone": "z2"},
+        "e": {"node": "n2", "zone": "z1"},
+    }
+    matches = {"a": match(h=90), "b": match(d=95), "c": match(h=100), "d": match(h=120)}
+    offers = peer_offers(matches, list(labels), labels)
+    same = LinkClass.SAME_NODE
+    assert sorted(offers["a"], key=lambda o: o.link) == [
+        PeerOffer("d", 120, LinkClass.CROSS_ZONE),
+        PeerOffer("b", 95, same),
+        PeerOffer("c", 100, LinkClass.SAME_ZONE),
+    ]
+    assert PeerOffer("b", 95, same) in offers["a"] and PeerOffer("a", 90, same) in offers["b"]
+    # c's own node holds nothing but c: no same_node offer for c, c's for e
+    assert {o.link for o in offers["c"]} == {LinkClass.SAME_ZONE, LinkClass.CROSS_ZONE}
+    assert PeerOffer("c", 100, same) in offers["e"]
+    # d is alone in z2: every other holder is across zones, the longest is c
+    assert offers["d"] == [PeerOffer("c", 100, LinkClass.CROSS_ZONE)]
+    # no labels: one zone, different nodes
+    assert peer_offers(matches, ["a", "c"]) == {
+        "a": [PeerOffer("c", 100, LinkClass.SAME_ZONE)],
+        "c": [PeerOffer("a", 90, LinkClass.SAME_ZONE)],
+    }
+
+
+def test_a_same_node_holder_with_fewer_blocks_beats_a_longer_one_across_the_nic() -> None:
+    """The policy costs each class's holder at its pair's link and keeps the cheapest pull
+    plus recompute: b pulls 950 tokens from a on its node, not 1000 from c across the
+    NIC (26 ms for 128 KiB a token against 5 ms of recomputing the 50 more); with one
+    link for every pair it pulls the longest prefix, c's."""
+    labels = {"a": {"node": "n1"}, "b": {"node": "n1"}, "c": {"node": "n2"}}
+    per = PeerPullSpec(link=NIC, links={LinkClass.SAME_NODE: NODE})
+    big = replace(M, kv_bytes_per_token=128 * 1024)
+    busy = PodLoad(pending_prefill_tokens=100_000, pending_requests=5, inflight=5)
+    loads = {"a": busy, "b": PodLoad(), "c": busy}
+    matches = {"a": match(h=95), "b": match(), "c": match(h=100)}
+    d = choose_by_cost(replace(big, peer_pull=per), 1001, matches, loads, labels=labels)
+    t = d.terms["b"]
+    assert d.pod == "b" and d.reason == Reason.PEER
+    assert (t.peer, t.peer_link, t.peer_tokens) == ("a", LinkClass.SAME_NODE, 950)
+    assert t.recompute_ms == pytest.approx(51 / P.prefill_tokens_per_s * 1000)
+    d = choose_by_cost(replace(big, peer_pull=PeerPullSpec(link=NIC)), 1001, matches, loads)
+    t = d.terms["b"]
+    assert (d.pod, t.peer, t.peer_link, t.peer_tokens) == ("b", "c", LinkClass.SAME_ZONE, 1000)
+
+
 def test_the_tier_metrics_count_a_peer_pull_as_its_own_source() -> None:
-    model = replace(M, peer_link=LinkCost(bandwidth_gbps=40.0, latency_ms=0.2))
-    terms = model.predict("b", 1000, match(h=10), PodLoad(), peer=PeerOffer("a", 100))
+    model = replace(M, peer_pull=PeerPullSpec(link=LinkCost(bandwidth_gbps=40.0, latency_ms=0.2)))
+    terms = model.predict("b", 1000, match(h=10), PodLoad(), peers=[PeerOffer("a", 100)])
     metrics = RouterMetrics("p", "m")
     metrics.chose(terms, None)
 

@@ -345,11 +345,63 @@ async def test_explain_shows_shared_store_loads_and_peer_pulls(
             assert body["pod"] == "e1" and body["reason"] == "cache_hit"
             pull = by_pod["e0"]["peer_pull"]
             assert pull["pod"] == "e1" and pull["tokens"] == 32 * len(keys)
+            assert pull["link"] == "same_zone"  # no labels: one zone, different nodes
             assert pull["ms"] == pytest.approx(by_pod["e0"]["transfer_ms"])
             assert "shared_store" not in by_pod["e0"]
         finally:
             await client.aclose()
             await index.close()
+
+
+async def test_explain_names_the_peer_and_link_class_of_each_pull(
+    tokenizer_dir: Path, redis_server: RedisServer
+) -> None:
+    """Peer pulls are costed per pair: e1 shares node n1 with e0 and pulls e0's prefix
+    over the same-node link, though e2 (node n2) holds one block more: e2's link is the
+    default `link`, whose latency costs more than recomputing that block. With one link
+    for every pair the longest holder is pulled from."""
+    slow = {"bandwidth_gbps": 40.0, "latency_ms": 3.0}
+    fast = {"bandwidth_gbps": 100.0, "latency_ms": 0.05}
+    nodes = {"e0": "n1", "e1": "n1", "e2": "n2"}
+    prompt = "b " * 200  # not the other explain tests' prompt: they share the generation
+    explain = {"model": "tiny", "prompt": prompt}
+    with serve_engines(*(FakeEngine(n) for n in nodes)) as engines:
+        backends = [
+            {"name": e.name, "url": e.url, "labels": {"node": nodes[e.name]}} for e in engines
+        ]
+        for peer_pull, holder, link in (
+            ({"link": slow, "links": {"same_node": fast}}, "e0", "same_node"),
+            ({"link": slow}, "e2", "same_zone"),
+        ):
+            config = make_config(
+                tokenizer_dir,
+                engines,
+                backends=backends,
+                index={"backend": "redis", "url": redis_server.url},
+                peer_pull=peer_pull,
+            )
+            with serve_router(config, embedded_indexer=False) as r:
+                ids = PromptTokenizer(tokenizer_dir).hf.backend_tokenizer.encode(prompt).ids
+                keys = block_keys(list(ids), 32, r.router.pipeline.root)
+                index = RedisIndex(redis_server.url, r.router.generation)
+                client = httpx.AsyncClient(base_url=r.url)
+                try:
+                    for pod in nodes:
+                        await index.begin_incarnation(pod, "1")
+                    await index.store("e2", "1", Blocks.of_prompt(keys), Tier.HBM)
+                    await index.store("e0", "1", Blocks.of_prompt(keys[:-1]), Tier.HBM)
+                    body = (await client.post("/kvplane/explain", json=explain)).json()
+                    by_pod = {c["pod"]: c for c in body["candidates"]}
+                    pull = by_pod["e1"]["peer_pull"]
+                    assert (pull["pod"], pull["link"]) == (holder, link)
+                    blocks = len(keys) - (1 if holder == "e0" else 0)
+                    assert pull["tokens"] == 32 * blocks
+                    assert pull["ms"] == pytest.approx(by_pod["e1"]["transfer_ms"])
+                    # e0 lacks one block, cheaper to recompute than to wait 3 ms for
+                    assert "peer_pull" not in by_pod["e0"] and "peer_pull" not in by_pod["e2"]
+                finally:
+                    await client.aclose()
+                    await index.close()
 
 
 def _with_adapters(config: RouterConfig, *adapters: str) -> RouterConfig:

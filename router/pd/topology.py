@@ -10,6 +10,7 @@ zone on different nodes: a guess that never makes a remote pair look local.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from kvplane.router.config import LinkClass, LinkCost, PDSpec
 
@@ -33,16 +34,30 @@ def zone_of(labels: Mapping[str, str]) -> str | None:
     return _first(labels, ZONE_KEYS)
 
 
-def link_class(a: Mapping[str, str], b: Mapping[str, str]) -> LinkClass:
+class Place(NamedTuple):
+    """Where a pod sits, as far as its labels say (None: not labelled)."""
+
+    node: str | None
+    zone: str | None
+
+
+def place_of(labels: Mapping[str, str]) -> Place:
+    return Place(node_of(labels), zone_of(labels))
+
+
+def place_class(a: Place, b: Place) -> LinkClass:
     """Same node when both name the same node; across zones only when both name
     their zones and they differ; otherwise one zone."""
-    node_a, node_b = node_of(a), node_of(b)
-    if node_a is not None and node_a == node_b:
+    if a.node is not None and a.node == b.node:
         return LinkClass.SAME_NODE
-    zone_a, zone_b = zone_of(a), zone_of(b)
-    if zone_a is not None and zone_b is not None and zone_a != zone_b:
+    if a.zone is not None and b.zone is not None and a.zone != b.zone:
         return LinkClass.CROSS_ZONE
     return LinkClass.SAME_ZONE
+
+
+def link_class(a: Mapping[str, str], b: Mapping[str, str]) -> LinkClass:
+    """The class of the link between pods labelled ``a`` and ``b`` (``place_class``)."""
+    return place_class(place_of(a), place_of(b))
 
 
 def link_cost(cls: LinkClass, pd: PDSpec) -> LinkCost:

@@ -44,6 +44,8 @@ class RoutingInput:
     loads: Mapping[str, PodLoad]  # the candidates, in the pool's order
     matches: PrefixMatches | None = None  # the index's answer, for policies that use it
     adapter: str | None = None  # the request's LoRA adapter (None: the base model)
+    # the candidates' node and zone labels (peer pulls cost each pair's link); None: unknown
+    labels: Mapping[str, Mapping[str, str]] | None = None
 
     @property
     def pods(self) -> list[str]:

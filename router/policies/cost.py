@@ -64,16 +64,18 @@ def choose_by_cost(
     matches: PrefixMatches,
     loads: Mapping[str, PodLoad],
     adapter: str | None = None,
+    labels: Mapping[str, Mapping[str, str]] | None = None,
 ) -> Decision:
     """Lowest score (predicted TTFT with recompute weighted) among pods under the load
     cap; near-ties go to the pod sent the least prefill work lately, exact ties to fewer
-    in flight."""
+    in flight. ``labels``: the pods' node and zone labels, which place them for peer
+    pulls."""
     params = model.params
     pods = list(loads)
-    offers = peer_offers(matches, pods) if model.peer_link is not None else {}
+    offers = peer_offers(matches, pods, labels) if model.peer_pull is not None else {}
     terms = {
         p: model.predict(
-            p, prompt_tokens, matches.get(p, {}), loads[p], adapter, peer=offers.get(p)
+            p, prompt_tokens, matches.get(p, {}), loads[p], adapter, peers=offers.get(p, ())
         )
         for p in pods
     }
@@ -133,5 +135,5 @@ class CostPolicy(BasePolicy):
 
     def choose(self, inp: RoutingInput) -> Decision:
         return choose_by_cost(
-            self.cost, inp.prompt_tokens, inp.matches or {}, inp.loads, inp.adapter
+            self.cost, inp.prompt_tokens, inp.matches or {}, inp.loads, inp.adapter, inp.labels
         )
