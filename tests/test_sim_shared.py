@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import pytest
+from kvplane.router.config import LinkClass, PeerPullSpec
 from kvplane.router.tiers import Tier, tier_of_medium
 
 from kvplane.local import redis as local_redis
@@ -141,6 +142,23 @@ def test_an_engine_pulls_a_prefix_from_a_peers_hbm() -> None:
     assert serve(e1, "c", list(range(200, 230))) == 0  # nobody holds it
 
 
+def test_an_engine_pulls_from_the_peer_whose_link_makes_it_quickest() -> None:
+    """e2 holds 28 tokens of the prompt and e0 20; e1 shares e0's node. Over NVLink from
+    e0 and 50 ms of latency from e2, e1 pulls e0's 20 (recomputing 8 is quicker than the
+    wait); with one link for every pair it pulls the longest run, e2's 28."""
+    prompt = list(range(1, 30))
+    for nodes, cached in (({"e0": "n0", "e1": "n0", "e2": "n1"}, 20), ({}, 28)):
+        peers = PeerFabric(Link(10.0, latency_ms=50.0), node_link=Link(100.0), nodes=nodes)
+        e0, e1, e2 = (EngineCore(small(), fabric=Fabric(f"e{i}", peers=peers)) for i in range(3))
+        serve(e2, "a", prompt)
+        serve(e0, "b", prompt[:21])
+        e1.add_request(SimRequest("c", prompt, max_tokens=1))
+        out = e1.step()
+        assert e1.cached_tokens("c") == cached
+        assert (out.duration_s < 0.05) == bool(nodes)
+        assert peers.link_between("e1", "e0") == (Link(100.0) if nodes else Link(10.0, 50.0))
+
+
 def test_fleet_shapes_hold_the_same_cache_beyond_hbm() -> None:
     shapes = {name: fleet_shape(name, 8, 1000) for name in FLEET_SHAPES}
     assert shapes["hbm"].cpu_offload_blocks == 0 and shapes["hbm"].shared_kv is None
@@ -149,6 +167,20 @@ def test_fleet_shapes_hold_the_same_cache_beyond_hbm() -> None:
     assert shared is not None and shared.store_blocks == 8000 and shared.peer_link is None
     peer = shapes["hbm+shared+peer"].shared_kv
     assert peer is not None and peer.peer_link is not None
+    _, spec = peer.router_side()
+    assert spec is not None and spec.links == {} and peer.nodes(["e0", "e1"]) == {}
+    nvlink = Link(450.0, 0.05)
+    placed = fleet_shape("hbm+shared+peer", 8, 1000, gpus_per_node=4, node_link=nvlink).shared_kv
+    assert placed is not None and placed.peer_node_link == nvlink
+    names = [f"e{i}" for i in range(8)]
+    assert placed.nodes(names)["e3"] == "node-0" and placed.nodes(names)["e4"] == "node-1"
+    _, spec = placed.router_side()
+    assert spec is not None and spec.link.bandwidth_gbps == 40.0  # the shapes' PEER_LINK
+    assert spec.link_for(LinkClass.SAME_NODE).bandwidth_gbps == 450.0
+    blind = fleet_shape(
+        "hbm+shared+peer", 8, 1000, gpus_per_node=4, node_link=nvlink, placement_blind=True
+    ).shared_kv
+    assert blind is not None and blind.router_side()[1] == PeerPullSpec(link=spec.link)
     with pytest.raises(ValueError, match="unknown fleet shape"):
         fleet_shape("hbm+nvme", 8, 1000)
 
@@ -188,6 +220,15 @@ def test_des_routes_on_the_shared_store_and_keys_every_event(
         assert rec.extra["decisions"].get(reason, 0) > 0, rec.extra["decisions"]
         if name == "hbm+shared":  # (with peers, conversations stay where they are)
             assert rec.extra["shared_store_blocks"] > 0
+    # two pods to a node, NVLink inside: most pulls come from the puller's node, and the
+    # engines pull what the router predicted (the same holders, the same tokens)
+    shape = fleet_shape("hbm+shared+peer", 4, 2000, gpus_per_node=2, node_link=Link(450.0, 0.05))
+    opts = des.DesOptions(cpu_offload_blocks=0, shared_kv=shape.shared_kv)
+    rec, _ = des.run_des(wl, "kvplane", engines=4, profile=profile, block_size=64, options=opts)
+    assert rec.errors == 0 and rec.extra["events_unmapped"] == 0
+    pulls = rec.extra["peer_pulls"]
+    assert pulls["same_node"] > pulls.get("same_zone", 0), pulls
+    assert rec.extra["predicted_cached_tokens"] == rec.extra["reported_cached_tokens"]
 
 
 def test_the_redis_index_decides_as_the_memory_index_with_a_shared_store(

@@ -357,6 +357,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="des fleet shapes with a store: replay its accesses under lru, slru and "
         "Belady's optimum (the most any eviction policy could keep)",
     )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=0,
+        help="des fleet shapes: pods per node; peer pulls inside a node go over NVLink "
+        "(--nvlink-gbps), the rest over the peer link; 0: one link for every pair",
+    )
+    p.add_argument(
+        "--nvlink-gbps",
+        type=float,
+        default=450.0,
+        help="des fleet shapes: same-node peer link GB/s",
+    )
+    p.add_argument(
+        "--placement-blind",
+        action="store_true",
+        help="des fleet shapes: the router is told neither the pods' nodes nor the NVLink "
+        "(one peer link for every pair), as before per-pair links",
+    )
     p.add_argument("--tokenizer", default=None)
     p.add_argument("--out-dir", default=None, help="default: bench/results of the checkout")
     p.add_argument("--no-write", action="store_true", help="print only")
@@ -639,7 +658,8 @@ def _des_workload(
 def _shaped(args: argparse.Namespace, base: DesOptions) -> list[tuple[str, DesOptions]]:
     """The run's DES options per ``--fleet-shape`` (``@shape`` labels its rows), or the
     options as they are when no shape is asked for."""
-    from kvplane.sim.shapes import fleet_shape
+    from kvplane.sim.kvcache import Link
+    from kvplane.sim.shapes import NVLINK_LATENCY_MS, fleet_shape
 
     names = csv_list(getattr(args, "fleet_shape", "") or "")
     if not names:
@@ -647,7 +667,15 @@ def _shaped(args: argparse.Namespace, base: DesOptions) -> list[tuple[str, DesOp
     dram_blocks = args.dram_tokens // args.block_size
     out: list[tuple[str, DesOptions]] = []
     for name in names:
-        shape = fleet_shape(name, args.engines, dram_blocks, getattr(args, "store_policy", "lru"))
+        shape = fleet_shape(
+            name,
+            args.engines,
+            dram_blocks,
+            getattr(args, "store_policy", "lru"),
+            gpus_per_node=getattr(args, "gpus_per_node", 0),
+            node_link=Link(getattr(args, "nvlink_gbps", 450.0), NVLINK_LATENCY_MS),
+            placement_blind=getattr(args, "placement_blind", False),
+        )
         kv = shape.shared_kv
         if kv is not None and kv.store_blocks and getattr(args, "store_bound", False):
             shape = replace(shape, shared_kv=replace(kv, store_bound=True))
@@ -712,6 +740,15 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
                     "fleet shapes": args.fleet_shape,
                     "dram tokens per pod": args.dram_tokens,
                     "store policy": getattr(args, "store_policy", "lru"),
+                    **(
+                        {
+                            "gpus per node": args.gpus_per_node,
+                            "nvlink GB/s": args.nvlink_gbps,
+                            "placement blind": args.placement_blind,
+                        }
+                        if getattr(args, "gpus_per_node", 0)
+                        else {}
+                    ),
                 }
                 if getattr(args, "fleet_shape", "")
                 else {}

@@ -38,7 +38,15 @@ from dataclasses import dataclass, field, replace
 from typing import Final
 
 from kvplane.router.blockkeys import block_keys, generation_root
-from kvplane.router.config import Backend, CostParams, LinkCost, SharedStoreSpec, TierCost
+from kvplane.router.config import (
+    Backend,
+    CostParams,
+    LinkClass,
+    LinkCost,
+    PeerPullSpec,
+    SharedStoreSpec,
+    TierCost,
+)
 from kvplane.router.cost import CostModel
 from kvplane.router.engine_stats import EngineStats as ScrapedStats
 from kvplane.router.index.base import Blocks, ResidencyIndex
@@ -211,9 +219,12 @@ class DesOptions:
 @dataclass(frozen=True, slots=True)
 class SharedKV:
     """A fleet that shares KV: a store of ``store_blocks`` every engine writes to and
-    loads from (0: none), and peer pulls over ``peer_link`` (None: none). The router is
-    configured as a real one would be: the store is every pod's shared store at its
-    link, peer pulls at theirs."""
+    loads from (0: none), and peer pulls over ``peer_link`` (None: none). With
+    ``pods_per_node``, pods sit that many to a node (e0.. on node-0, and so on) and two
+    pods of one node pull over ``peer_node_link``. The router is configured as a real
+    one would be: the store is every pod's shared store at its link, peer pulls at
+    theirs, per link class from the pods' node labels (with ``router_sees_nodes``
+    False, a router told one link for every pair and no nodes)."""
 
     store_blocks: int = 0
     store_link: Link = field(default_factory=lambda: Link(25.0, 1.0))
@@ -221,8 +232,23 @@ class SharedKV:
     write_through: bool = False  # engines store blocks as computed, not as HBM evicts them
     store_policy: str = "lru"  # the store's eviction: lru or slru (kvcache.SharedStore)
     store_bound: bool = False  # replay the store's accesses under other policies (store_bound)
+    pods_per_node: int = 0  # 0: placement unknown, every pair over peer_link
+    peer_node_link: Link | None = None  # between two pods of one node (None: peer_link)
+    router_sees_nodes: bool = True
 
-    def router_side(self) -> tuple[SharedStores, LinkCost | None]:
+    def nodes(self, names: Sequence[str]) -> dict[str, str]:
+        """Each pod's node (none when placement is unknown)."""
+        if self.pods_per_node <= 0:
+            return {}
+        return {n: f"node-{i // self.pods_per_node}" for i, n in enumerate(names)}
+
+    def fabric(self, names: Sequence[str]) -> PeerFabric | None:
+        """The engines' side of peer pulls (None: none)."""
+        if self.peer_link is None:
+            return None
+        return PeerFabric(self.peer_link, node_link=self.peer_node_link, nodes=self.nodes(names))
+
+    def router_side(self) -> tuple[SharedStores, PeerPullSpec | None]:
         """What the router's config says of this fleet."""
         stores = SharedStores()
         if self.store_blocks:
@@ -231,13 +257,16 @@ class SharedKV:
                 latency_ms=self.store_link.latency_ms,
             )
             stores = SharedStores.of([SharedStoreSpec(name=SIM_STORE, link=link)])
-        peer = None
-        if self.peer_link is not None:
-            peer = LinkCost(
-                bandwidth_gbps=self.peer_link.bandwidth_gbps,
-                latency_ms=self.peer_link.latency_ms,
-            )
-        return stores, peer
+        if self.peer_link is None:
+            return stores, None
+        links = {}
+        if self.router_sees_nodes and self.peer_node_link is not None and self.pods_per_node:
+            links[LinkClass.SAME_NODE] = _link_cost(self.peer_node_link)
+        return stores, PeerPullSpec(link=_link_cost(self.peer_link), links=links)
+
+
+def _link_cost(link: Link) -> LinkCost:
+    return LinkCost(bandwidth_gbps=link.bandwidth_gbps, latency_ms=link.latency_ms)
 
 
 class _Sim:
@@ -266,9 +295,9 @@ class _Sim:
         self.progress = progress
         self.cost = opts.cost or cost_params_for(profile)
         kv = opts.shared_kv or SharedKV()
-        stores, peer_link = kv.router_side()
+        stores, peer_pull = kv.router_side()
         kvb = profile.kv_bytes_per_token
-        self.model = CostModel(self.cost, self.block_size, kvb, stores, peer_link)
+        self.model = CostModel(self.cost, self.block_size, kvb, stores, peer_pull)
         self.policy = make_policy(ROUTERS[router], self.model)
         self.clock = _Clock()
         self.backend: MemoryIndex | RedisIndex = MemoryIndex(clock=self.clock)
@@ -292,7 +321,7 @@ class _Sim:
             if kv.store_blocks
             else None
         )
-        peers = PeerFabric(kv.peer_link) if kv.peer_link is not None else None
+        peers = kv.fabric(names)
         shares = self.store is not None or peers is not None
         self.engines = {
             n: _Engine(
@@ -306,7 +335,13 @@ class _Sim:
             for n in names
         }
         self.pool = Pool()
-        self.pool.set_backends([Backend(name=n, url=f"sim://{n}") for n in names])
+        nodes = kv.nodes(names) if kv.router_sees_nodes else {}
+        self.pool.set_backends(
+            [
+                Backend(name=n, url=f"sim://{n}", labels={"node": nodes[n]} if n in nodes else {})
+                for n in names
+            ]
+        )
         self.live: dict[str, _Live] = {}
         self.results: list[RequestResult] = []
         self.heap: list[tuple[float, int, object]] = []
@@ -314,6 +349,7 @@ class _Sim:
         self.router_cpu = 0.0
         self.decisions: Counter[str] = Counter()  # by reason, as the router's metric
         self.predicted_cached = 0  # cached tokens the chosen pods' terms predicted
+        self.peer_pulls: Counter[str] = Counter()  # chosen pulls by the pair's link class
         self.idle_retries = 0
         self.uses_index = self.policy.uses_index
 
@@ -364,7 +400,10 @@ class _Sim:
             self._snap(self.engines[name], t)
         loads = self.pool.loads(pods, now=t)
         keys = block_keys(tokens, self.block_size, self.root)
-        inp = RoutingInput(len(tokens), tokens, keys, loads)
+        labels = None
+        if self.model.peer_pull is not None:  # as the live router: pairs placed by labels
+            labels = {p: self.pool.states[p].backend.labels for p in pods}
+        inp = RoutingInput(len(tokens), tokens, keys, loads, labels=labels)
         decision, matches = await route(
             self.policy, self.index, inp, lambda i: index_down(self.model, i)
         )
@@ -378,6 +417,8 @@ class _Sim:
         terms = decision.terms.get(decision.pod)
         self.decisions[decision.reason] += 1
         self.predicted_cached += terms.cached_tokens if terms is not None else 0
+        if terms is not None and terms.peer_link is not None:
+            self.peer_pulls[terms.peer_link.value] += 1
         uncached = len(tokens) - (terms.cached_tokens if terms is not None else 0)
         self.pool.note_routed(decision.pod, uncached, now=t)
         self.router_cpu += time.process_time() - cpu0
@@ -587,6 +628,8 @@ def run_des(
     # next to what the engines reported (equal: nothing lost to eviction or index lag).
     record.extra["decisions"] = dict(sim.decisions)
     record.extra["predicted_cached_tokens"] = sim.predicted_cached
+    if sim.peer_pulls:  # peer pulls chosen, by the class of the pair's link
+        record.extra["peer_pulls"] = dict(sim.peer_pulls)
     record.extra["reported_cached_tokens"] = sum(r.cached_tokens or 0 for r in results)
     # BlockStored events the router could not key (a parent it no longer knew): index drift
     record.extra["events_stored"] = sim.ingestor.stats.stored

@@ -466,8 +466,16 @@ class EngineCore:
             n_store = fabric.store.match(hashes, start, end)
             ms += fabric.store.link.load_ms(n_store * self._bs, kvb)
         if fabric.peers is not None:
-            n_peer = fabric.peers.match(fabric.name, hashes, start + n_store, end)
-            ms += fabric.peers.link.load_ms(n_peer * self._bs, kvb)
+            n_peer, peer_ms = fabric.peers.match(
+                fabric.name,
+                hashes,
+                start + n_store,
+                end,
+                self._bs,
+                kvb,
+                1000.0 / self._profile.prefill_tokens_per_s,
+            )
+            ms += peer_ms
         return n_store + n_peer, ms
 
     def _preempt(self, r: _Req) -> None:

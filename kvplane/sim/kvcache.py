@@ -23,7 +23,9 @@ KV from each other (``PeerFabric``: NIXL, LMCache P2P, Mooncake's transfer engin
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -283,21 +285,48 @@ class StoreWriter:
 
 
 class PeerFabric:
-    """Engines that pull KV from each other's HBM or CPU tier over ``link``."""
+    """Engines that pull KV from each other's HBM or CPU tier: over ``link``, or over
+    ``node_link`` between two engines on one node (``nodes``: each engine's node; an
+    engine left out shares a node with none)."""
 
-    __slots__ = ("link", "pools")
+    __slots__ = ("link", "node_link", "nodes", "pools")
 
-    def __init__(self, link: Link) -> None:
+    def __init__(
+        self,
+        link: Link,
+        *,
+        node_link: Link | None = None,
+        nodes: Mapping[str, str] | None = None,
+    ) -> None:
         self.link = link
+        self.node_link = node_link
+        self.nodes = dict(nodes or {})
         self.pools: dict[str, BlockPool] = {}
 
     def join(self, name: str, pool: BlockPool) -> None:
         self.pools[name] = pool
 
-    def match(self, me: str, hashes: list[bytes], start: int, end: int) -> int:
-        """The longest run of ``hashes[start:end]`` one other engine holds in HBM or in
-        its CPU tier (its caches are read, not refreshed)."""
-        best = 0
+    def link_between(self, a: str, b: str) -> Link:
+        node = self.nodes.get(a)
+        if self.node_link is not None and node is not None and node == self.nodes.get(b):
+            return self.node_link
+        return self.link
+
+    def match(
+        self,
+        me: str,
+        hashes: list[bytes],
+        start: int,
+        end: int,
+        tokens_per_block: int,
+        kv_bytes_per_token: int,
+        recompute_ms_per_token: float,
+    ) -> tuple[int, float]:
+        """The run of ``hashes[start:end]`` to pull and its transfer in ms: of the other
+        engines holding some of it in HBM or in their CPU tier, the one whose pull plus
+        recomputing the rest (at ``recompute_ms_per_token``) is quickest, the longer run
+        on a tie (their caches are read, not refreshed)."""
+        best: tuple[float, int, float] = (math.inf, 0, 0.0)  # (estimate, -blocks, ms)
         for name, pool in self.pools.items():
             if name == me:
                 continue
@@ -305,8 +334,13 @@ class PeerFabric:
             stop = start
             while stop < end and (hashes[stop] in cached or (cpu and hashes[stop] in cpu)):
                 stop += 1
-            best = max(best, stop - start)
-        return best
+            n = stop - start
+            if n == 0:
+                continue
+            ms = self.link_between(me, name).load_ms(n * tokens_per_block, kv_bytes_per_token)
+            rest = (end - stop) * tokens_per_block * recompute_ms_per_token
+            best = min(best, (ms + rest, -n, ms))
+        return -best[1], best[2]
 
 
 class BlockPool:

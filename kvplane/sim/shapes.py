@@ -4,7 +4,9 @@
 the same total in one store every pod writes to and loads from; ``hbm+shared+peer``
 also lets pods pull a prefix from each other's HBM or DRAM. The links are the router's
 defaults for them: the remote tier's (``router/tiers.py``) for the store, the P/D
-same-zone link (``router/config.py``) for peer pulls.
+same-zone link (``router/config.py``) for peer pulls. With ``gpus_per_node``, pods sit
+that many to a node and two pods of one node pull over ``node_link`` (NVLink); the
+router is told the pods' nodes and both links unless ``placement_blind``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kvplane.sim.kvcache import Link
 FLEET_SHAPES: Final = ("hbm", "hbm+dram", "hbm+shared", "hbm+shared+peer")
 STORE_LINK: Final = Link(bandwidth_gbps=25.0, latency_ms=1.0)
 PEER_LINK: Final = Link(bandwidth_gbps=40.0, latency_ms=0.2)
+NVLINK_LATENCY_MS: Final = 0.05  # the P/D same-node default's
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +30,19 @@ class FleetShape:
     shared_kv: SharedKV | None  # the store and peer pulls
 
 
-def fleet_shape(name: str, engines: int, dram_blocks: int, store_policy: str = "lru") -> FleetShape:
+def fleet_shape(
+    name: str,
+    engines: int,
+    dram_blocks: int,
+    store_policy: str = "lru",
+    *,
+    gpus_per_node: int = 0,
+    node_link: Link | None = None,
+    placement_blind: bool = False,
+) -> FleetShape:
     """The shape ``name`` of ``engines`` pods with ``dram_blocks`` of DRAM each (or
-    their total in the shared store, evicting by ``store_policy``)."""
+    their total in the shared store, evicting by ``store_policy``); peer pulls between
+    pods of one node over ``node_link`` when ``gpus_per_node`` places them."""
     store = engines * dram_blocks
     if name == "hbm":
         return FleetShape(name, 0, None)
@@ -38,7 +51,14 @@ def fleet_shape(name: str, engines: int, dram_blocks: int, store_policy: str = "
     if name == "hbm+shared":
         return FleetShape(name, 0, SharedKV(store, STORE_LINK, store_policy=store_policy))
     if name == "hbm+shared+peer":
-        return FleetShape(
-            name, 0, SharedKV(store, STORE_LINK, PEER_LINK, store_policy=store_policy)
+        kv = SharedKV(
+            store,
+            STORE_LINK,
+            PEER_LINK,
+            store_policy=store_policy,
+            pods_per_node=gpus_per_node,
+            peer_node_link=node_link if gpus_per_node > 0 else None,
+            router_sees_nodes=not placement_blind,
         )
+        return FleetShape(name, 0, kv)
     raise ValueError(f"unknown fleet shape {name!r} (known: {', '.join(FLEET_SHAPES)})")
