@@ -158,6 +158,7 @@ def peer_offers(
     matches: Mapping[str, Mapping[Tier, int]],
     pods: Sequence[str],
     labels: Mapping[str, Mapping[str, str]] | None = None,
+    spec: PeerPullSpec | None = None,
 ) -> dict[str, list[PeerOffer]]:
     """Per pod, the holders worth costing: for each class of link from it, the other pod
     holding the longest prefix in HBM or DRAM over a link of that class (ties: by name).
@@ -165,35 +166,81 @@ def peer_offers(
     transfer and saves more recompute than the one before, its attention reaching
     further back), so a shorter holder of the same class is never cheaper than both the
     longest one and pulling nothing; ``CostModel.predict`` compares the classes.
-    ``labels``: the pods' node and zone labels (absent: one zone, different nodes)."""
+    ``labels``: the pods' node and zone labels (absent: one zone, different nodes).
+    ``spec``: the links; with it, an offer no longer than one over a link at least as
+    fast is left out, and when every class has the same link (no ``links``) only the
+    longest holder is offered (its link class named all the same)."""
     labels = labels or {}
+    if spec is not None and not spec.links:
+        return _longest_offers(matches, pods, labels)
     places = {p: place_of(labels.get(p, {})) for p in pods}
-    # the two longest holders per place: one of them may be the puller itself
+    # the two longest holders per place (one of them may be the puller itself), and the
+    # pullers per place: pods of one place see the same holders, less themselves
     tops: dict[Place, list[tuple[int, str]]] = {}
+    pullers: dict[Place, list[str]] = {}
     for p in pods:
+        pullers.setdefault(places[p], []).append(p)
         blocks = matches.get(p, {}).get(Tier.DRAM, 0)
         if blocks > 0:
             tops.setdefault(places[p], []).append((-blocks, p))
     for held in tops.values():
         held.sort()
         del held[2:]
-    classes: dict[tuple[Place, Place], LinkClass] = {}
+    out: dict[str, list[PeerOffer]] = {}
+    for here, group in pullers.items():
+        by_class: dict[LinkClass, list[tuple[int, str]]] = {}
+        for place, held in tops.items():
+            best = by_class.setdefault(place_class(here, place), [])
+            best.extend(held)
+            best.sort()
+            del best[2:]
+        for pod in group:
+            offers = []
+            for cls, best in sorted(by_class.items()):
+                for neg, other in best:
+                    if other != pod:
+                        offers.append(PeerOffer(other, -neg, cls))
+                        break
+            if offers:
+                out[pod] = offers if spec is None else _undominated(offers, spec)
+    return out
+
+
+def _undominated(offers: list[PeerOffer], spec: PeerPullSpec) -> list[PeerOffer]:
+    """The offers not beaten outright by another: one with at least as many blocks over
+    a link at least as fast (bandwidth and latency) is never the costlier pull."""
+    links = {o.link: spec.link_for(o.link) for o in offers}
+
+    def beats(a: PeerOffer, b: PeerOffer) -> bool:
+        la, lb = links[a.link], links[b.link]
+        return (
+            a.blocks >= b.blocks
+            and la.bandwidth_gbps >= lb.bandwidth_gbps
+            and la.latency_ms <= lb.latency_ms
+            and (a.blocks, la.bandwidth_gbps, -la.latency_ms, b.link)
+            > (b.blocks, lb.bandwidth_gbps, -lb.latency_ms, a.link)
+        )
+
+    return [b for b in offers if not any(beats(a, b) for a in offers if a is not b)]
+
+
+def _longest_offers(
+    matches: Mapping[str, Mapping[Tier, int]],
+    pods: Sequence[str],
+    labels: Mapping[str, Mapping[str, str]],
+) -> dict[str, list[PeerOffer]]:
+    """Per pod, the other pod holding the longest prefix in HBM or DRAM (ties by name)."""
+    best = sorted((-matches.get(p, {}).get(Tier.DRAM, 0), p) for p in pods)[:2]
     out: dict[str, list[PeerOffer]] = {}
     for pod in pods:
-        here = places[pod]
-        best: dict[LinkClass, tuple[int, str]] = {}
-        for place, held in tops.items():
-            for key in held:
-                if key[1] == pod:
-                    continue
-                cls = classes.get((here, place))
-                if cls is None:
-                    cls = classes[(here, place)] = place_class(here, place)
-                if cls not in best or key < best[cls]:
-                    best[cls] = key
+        for neg, other in best:
+            if other != pod:
+                if neg < 0:
+                    cls = place_class(
+                        place_of(labels.get(pod, {})), place_of(labels.get(other, {}))
+                    )
+                    out[pod] = [PeerOffer(other, -neg, cls)]
                 break
-        if best:
-            out[pod] = [PeerOffer(o, -neg, c) for c, (neg, o) in sorted(best.items())]
     return out
 
 

@@ -311,6 +311,19 @@ def test_peer_offers_give_the_longest_holder_of_each_link_class() -> None:
         "a": [PeerOffer("c", 100, LinkClass.SAME_ZONE)],
         "c": [PeerOffer("a", 90, LinkClass.SAME_ZONE)],
     }
+    # given the links, an offer no longer than one over a link as fast is left out
+    per = PeerPullSpec(link=NIC, links={LinkClass.SAME_NODE: NODE, LinkClass.CROSS_ZONE: NIC})
+    pruned = peer_offers(matches, list(labels), labels, per)
+    assert pruned["a"] == [PeerOffer("d", 120, LinkClass.CROSS_ZONE), PeerOffer("b", 95, same)]
+    assert pruned["e"] == [PeerOffer("d", 120, LinkClass.CROSS_ZONE), PeerOffer("c", 100, same)]
+    # one link for every class: the longest other holder, its class named
+    assert peer_offers(matches, list(labels), labels, PeerPullSpec(link=NIC)) == {
+        "a": [PeerOffer("d", 120, LinkClass.CROSS_ZONE)],
+        "b": [PeerOffer("d", 120, LinkClass.CROSS_ZONE)],
+        "c": [PeerOffer("d", 120, LinkClass.CROSS_ZONE)],
+        "d": [PeerOffer("c", 100, LinkClass.CROSS_ZONE)],
+        "e": [PeerOffer("d", 120, LinkClass.CROSS_ZONE)],
+    }
 
 
 def test_a_same_node_holder_with_fewer_blocks_beats_a_longer_one_across_the_nic() -> None:

@@ -14,7 +14,14 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from kvplane.router.config import CostParams
-from kvplane.router.cost import CostModel, CostTerms, PodLoad, peer_offers, pending_prefill_ms
+from kvplane.router.cost import (
+    CostModel,
+    CostTerms,
+    PeerOffer,
+    PodLoad,
+    peer_offers,
+    pending_prefill_ms,
+)
 from kvplane.router.index.base import PrefixMatches
 from kvplane.router.policies.base import BasePolicy, Decision, RoutingInput
 from kvplane.router.policies.registry import register
@@ -72,7 +79,9 @@ def choose_by_cost(
     pulls."""
     params = model.params
     pods = list(loads)
-    offers = peer_offers(matches, pods, labels) if model.peer_pull is not None else {}
+    offers: dict[str, list[PeerOffer]] = {}
+    if model.peer_pull is not None:
+        offers = peer_offers(matches, pods, labels, model.peer_pull)
     terms = {
         p: model.predict(
             p, prompt_tokens, matches.get(p, {}), loads[p], adapter, peers=offers.get(p, ())
