@@ -3,7 +3,9 @@
 #   make test   ruff, mypy and the whole pytest suite (real Redis, real vLLM engines)
 #   make image  build the image from the Dockerfile with buildah (no Docker daemon)
 SHELL := /bin/bash
-CACHE ?= $(HOME)/.cache/kvplane
+# One cache for make and every script it runs: CACHE=..., else $KVPLANE_CACHE, else ~/.cache/kvplane
+CACHE ?= $(or $(KVPLANE_CACHE),$(HOME)/.cache/kvplane)
+export KVPLANE_CACHE := $(CACHE)
 VENV := $(CACHE)/venv
 ROOT := $(abspath .)
 PYTEST_ARGS ?=
