@@ -2,12 +2,12 @@
 
     ttft = queue + transfer + recompute
 
-- queue: prefill work already waiting on the pod (tokens the router has sent
-  and not yet seen a first token for, plus requests the engine reported waiting
-  beyond those the router had pending when it scraped), costed as their prefill
-  (rate plus attention); plus decode interference
-  from running requests; plus a penalty when the KV cache is nearly full
-  (preemptions ahead).
+- queue: prefill work still waiting on the pod: the tokens the router has sent and
+  not yet seen a first token for, costed as their prefill (rate plus attention), less
+  the time the pod has been on the oldest of them (at most that one's work); plus
+  requests the engine reported waiting beyond those the router had pending when it
+  scraped, costed at the mean prompt; plus decode interference from running
+  requests; plus a penalty when the KV cache is nearly full (preemptions ahead).
 - transfer: blocks held only in a slower tier are loaded (tier latency + bytes
   over tier bandwidth).
 - recompute: every token not resident (or not worth loading) is prefilled: at the
@@ -53,6 +53,8 @@ class PodLoad:
     pending_prefill_tokens: int = 0  # router-tracked, sent and awaiting first token
     pending_prefill_pairs: float = 0.0  # their attention work: sum of n x (cached + n/2)
     pending_requests: int = 0  # router-tracked count of the above
+    head_prefill: tuple[int, float] = (0, 0.0)  # the oldest of them: tokens, pairs
+    prefill_busy_s: float = 0.0  # how long the pod has been on that one (LoadCounters)
     inflight: int = 0  # router-tracked requests not finished
     inflight_tokens: int = 0  # their prompt tokens: the KV a decode step reads there
     engine_waiting: float = 0.0  # vllm:num_requests_waiting (scraped)
@@ -100,17 +102,23 @@ def prefill_compute_ms(tokens: float, pairs: float, params: CostParams) -> float
 
 
 def pending_prefill_ms(load: PodLoad, params: CostParams) -> float:
-    """Prefill already queued on the pod: its tokens at the prefill rate plus their
+    """Prefill still queued on the pod: its tokens at the prefill rate plus their
     attention, so a pod with one long prompt pending is known to be busier than one
-    with several short ones of the same total."""
+    with several short ones of the same total; less the time the pod has been on the
+    oldest of them (it runs them in order), at most that one's own work: until its first
+    token comes it is not done. A pod half through its only pending prefill waits half."""
+    sent = prefill_compute_ms(load.pending_prefill_tokens, load.pending_prefill_pairs, params)
+    head = prefill_compute_ms(*load.head_prefill, params)
+    left = max(0.0, sent - min(head, load.prefill_busy_s * 1000.0))
     # Requests waiting that the router did not send (another replica's, a direct
     # client's), counted against the router's pending at the scrape's instant: a scrape
     # is up to an interval old, and its waiting requests may have started since.
     unseen_waiting = max(0.0, load.engine_waiting - load.scraped_pending_requests)
     mean = load.mean_request_tokens
-    tokens = load.pending_prefill_tokens + unseen_waiting * mean
-    pairs = load.pending_prefill_pairs + unseen_waiting * attention_pairs(mean, 0.0)
-    return prefill_compute_ms(tokens, pairs, params)
+    unseen = prefill_compute_ms(
+        unseen_waiting * mean, unseen_waiting * attention_pairs(mean, 0.0), params
+    )
+    return left + unseen
 
 
 def queue_ms(load: PodLoad, params: CostParams) -> float:

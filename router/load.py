@@ -7,11 +7,20 @@ and a P/D decode pod chosen for a handoff is held by a ``Booking`` from the choi
 until its own decode leg's ``Attempt`` counts it. The live proxy, the P/D handoffs
 and the discrete-event simulator all book load through these two, so that the cost
 model reads the same figures everywhere.
+
+A pod works through its pending prefills in the order they were sent, so the router
+also keeps which one is at the head and when the pod began on it: its send if nothing
+was pending there, else the first token of the one before it (``busy_since``, on the
+counters' clock: the monotonic clock live, virtual time in the simulator). The cost
+model takes the time since off the head's work, never more than all of it: until its
+first token comes the head is not done (``cost.pending_prefill_ms``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from kvplane.router.cost import attention_pairs
 
@@ -31,6 +40,19 @@ class LoadCounters:
     recent_tokens: float = 0.0  # uncached prompt tokens routed here, decayed
     recent_at: float = 0.0
     half_life_s: float = 30.0  # "lately": a few prefix lifetimes on a busy pod
+    # the pending prefills' (tokens, attention pairs) by send, oldest (the head) first
+    pending_order: dict[int, tuple[int, float]] = field(default_factory=dict, repr=False)
+    sends: int = 0  # Attempts begun here: the keys of pending_order
+    busy_since: float = 0.0  # when the pod began on the head of its pending prefills
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+
+    def head(self) -> tuple[int, float]:
+        """The oldest pending prefill's tokens and attention pairs ((0, 0.0): none)."""
+        return next(iter(self.pending_order.values()), (0, 0.0))
+
+    def prefill_busy_s(self, now: float) -> float:
+        """Seconds the pod has been on the head of its pending prefills (0 with none)."""
+        return max(0.0, now - self.busy_since) if self.pending_order else 0.0
 
     def recent(self, now: float) -> float:
         """Prefill work sent here lately (tokens, exponentially decayed to ``now``)."""
@@ -63,6 +85,7 @@ class Attempt:
     context_tokens: int = 0  # the prompt: the KV the request holds there while in flight
     first_byte: bool = False
     done: bool = False
+    send: int = 0  # its key in the counters' pending_order (from begin)
 
     @property
     def pairs(self) -> float:
@@ -73,6 +96,11 @@ class Attempt:
 
     def begin(self) -> None:
         c = self.counters
+        if not c.pending_order:  # nothing ahead of it: the pod starts on it now
+            c.busy_since = c.clock()
+        c.sends += 1
+        self.send = c.sends
+        c.pending_order[self.send] = (self.uncached_tokens, self.pairs)
         c.pending_tokens += self.uncached_tokens
         c.pending_pairs += self.pairs
         c.pending_requests += 1
@@ -84,6 +112,10 @@ class Attempt:
             c = self.counters
             c.pending_tokens -= self.uncached_tokens
             c.pending_requests -= 1
+            was_head = next(iter(c.pending_order), None) == self.send
+            c.pending_order.pop(self.send, None)
+            if was_head:  # the pod moves on to the next one
+                c.busy_since = c.clock()
             # float sums drift; nothing pending is exactly nothing
             c.pending_pairs = max(0.0, c.pending_pairs - self.pairs) if c.pending_requests else 0.0
 

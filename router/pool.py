@@ -56,7 +56,7 @@ class BackendState(LoadCounters):
         """A fresh scrape: remember what the router had pending at that instant, which
         is what the engine's waiting count can be compared with until the next one,
         and whether the engine has computed anything since the last one."""
-        now = time.monotonic() if now is None else now
+        now = self.clock() if now is None else now
         if stats.progress is not None and stats.progress != self.stats.progress:
             self.progressed_at = now
         self.stats = stats
@@ -78,11 +78,14 @@ class BackendState(LoadCounters):
         return self.scraped_at - max(since, self.progressed_at)
 
     def load(self, mean_request_tokens: float, now: float | None = None) -> PodLoad:
+        now = self.clock() if now is None else now
         return PodLoad(
-            recent_prefill_tokens=self.recent(time.monotonic() if now is None else now),
+            recent_prefill_tokens=self.recent(now),
             pending_prefill_tokens=self.pending_tokens,
             pending_prefill_pairs=self.pending_pairs,
             pending_requests=self.pending_requests,
+            head_prefill=self.head(),
+            prefill_busy_s=self.prefill_busy_s(now),
             inflight=self.inflight,
             inflight_tokens=self.inflight_tokens,
             engine_waiting=self.stats.waiting,
@@ -97,8 +100,14 @@ class BackendState(LoadCounters):
 class Pool:
     """Backends by name. Mutated only on the event loop."""
 
-    def __init__(self, demote_first_s: float = 2.0, demote_max_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        demote_first_s: float = 2.0,
+        demote_max_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.states: dict[str, BackendState] = {}
+        self.clock = clock  # the backends' load accounting's (virtual time in the simulator)
         self.mean_request_tokens = 1024.0
         self._demote_s = (demote_first_s, demote_max_s)
         self.on_demote: Callable[[str], None] | None = None  # the demotions metric
@@ -114,7 +123,7 @@ class Pool:
             if n in self.states:
                 self.states[n].backend = b
             else:
-                self.states[n] = BackendState(b)
+                self.states[n] = BackendState(b, clock=self.clock)
         return added, removed
 
     def loads(self, names: Sequence[str], now: float | None = None) -> dict[str, PodLoad]:
@@ -154,7 +163,7 @@ class Pool:
         """Remember the prefill work a decision sent to ``name`` (for balancing)."""
         state = self.states.get(name)
         if state is not None:
-            state.add_recent(uncached_tokens, time.monotonic() if now is None else now)
+            state.add_recent(uncached_tokens, self.clock() if now is None else now)
 
     def observe_prompt(self, tokens: int) -> None:
         self.mean_request_tokens += 0.05 * (tokens - self.mean_request_tokens)

@@ -379,6 +379,93 @@ def test_prefill_attention_grows_with_context() -> None:
     assert warm.recompute_ms > m.predict("p", 5_000, match(), PodLoad()).recompute_ms
 
 
+class _Clock:
+    """A clock the test sets: the pool's load accounting reads it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_pod_half_through_its_pending_prefill_predicts_half_the_wait() -> None:
+    """The pod runs its pending prefills in order: the queue is what was sent less the
+    time it has been on the oldest one, at most that one's work until its first token
+    comes (P: 10,000 tokens/s, so 2,000 tokens are 200 ms)."""
+    from kvplane.router.load import Attempt
+    from kvplane.router.pool import Pool
+
+    clock = _Clock()
+    pool = Pool(clock=clock)
+    pool.set_backends([Backend(name="p", url="http://p")])
+    state = pool.states["p"]
+
+    def queue() -> float:
+        return M.predict("p", 10, match(), pool.loads(["p"])["p"]).queue_ms
+
+    a, b, c = (Attempt(state, n, clock.now, n) for n in (2000, 1000, 500))
+    a.begin()
+    clock.now = 0.1
+    assert queue() == pytest.approx(100.0)  # half of a's 200 ms done
+    b.begin()  # sent behind a: the pod is still on a
+    assert queue() == pytest.approx(100.0 + 100.0)
+    clock.now = 0.25
+    assert queue() == pytest.approx(100.0)  # a predicted done, but not b before a is
+    c.begin()
+    clock.now = 0.3
+    b.first()  # out of order: the pod is still on a
+    assert queue() == pytest.approx(50.0)
+    a.first()  # the pod moves on to c now
+    assert queue() == pytest.approx(50.0)
+    clock.now = 0.32
+    assert queue() == pytest.approx(30.0)
+    clock.now = 1.0
+    assert queue() == 0.0  # predicted done, its first token still to come
+    c.end()
+    a.end()
+    b.end()
+    clock.now = 2.0
+    assert queue() == 0.0 and state.prefill_busy_s(clock.now) == 0.0
+    Attempt(state, 2000, clock.now, 2000).begin()  # an idle pod starts on it when sent
+    assert queue() == pytest.approx(200.0)
+    # the pure formula: the time on the head comes off, never more than the head's work
+    busy = PodLoad(
+        pending_prefill_tokens=3000,
+        pending_requests=2,
+        head_prefill=(2000, 0.0),
+        prefill_busy_s=0.05,
+    )
+    assert M.predict("p", 10, match(), busy).queue_ms == pytest.approx(250.0)
+    done = replace(busy, prefill_busy_s=5.0)
+    assert M.predict("p", 10, match(), done).queue_ms == pytest.approx(100.0)
+
+
+def test_a_scrape_still_counts_the_waiting_it_reports_beyond_the_routers_own() -> None:
+    """Requests the engine reported waiting beyond the router's pending at the scrape
+    are queued in full at the mean prompt (the router never saw them start); the next
+    scrape that no longer reports them takes them off."""
+    from kvplane.router.load import Attempt
+    from kvplane.router.pool import Pool
+
+    clock = _Clock()
+    pool = Pool(clock=clock)
+    pool.set_backends([Backend(name="p", url="http://p")])
+    state = pool.states["p"]
+    pool.mean_request_tokens = 500.0  # 50 ms each
+
+    def queue() -> float:
+        return M.predict("p", 10, match(), pool.loads(["p"])["p"]).queue_ms
+
+    Attempt(state, 2000, clock.now, 2000).begin()
+    state.observe(EngineStats(waiting=3.0))  # the router's one and two from elsewhere
+    clock.now = 0.1
+    assert queue() == pytest.approx(100.0 + 2 * 50.0)
+    clock.now = 0.15
+    state.observe(EngineStats(waiting=1.0))  # only the router's own now
+    assert queue() == pytest.approx(50.0)
+
+
 def test_one_long_pending_prompt_queues_longer_than_short_ones_of_its_size() -> None:
     from kvplane.router.cost import pending_prefill_ms
     from kvplane.router.load import Attempt, LoadCounters

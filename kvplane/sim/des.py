@@ -334,7 +334,7 @@ class _Sim:
             )
             for n in names
         }
-        self.pool = Pool()
+        self.pool = Pool(clock=self.clock)
         nodes = kv.nodes(names) if kv.router_sees_nodes else {}
         self.pool.set_backends(
             [
