@@ -146,6 +146,15 @@ class CostParams(_Strict):
         "it saves (docs/router.md: the tail guard)",
     )
     tail_guard_slack_ms: Annotated[float, Field(ge=0)] = 2000.0
+    queue_progress: bool = Field(
+        default=False,
+        description="off by default. When set, the queue term takes off the time a pod "
+        "has been on its oldest pending prefill (at most that prefill's work): a pod half "
+        "through a long prompt is predicted to wait half of it. Closer to the waits the "
+        "engines show, but recompute_weight was chosen against the undrained queue, and "
+        "with it saturated fleets queue more behind prefix holders (docs/router.md: the "
+        "queue term)",
+    )
     new_prefix_share: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.25,
         description="a prompt no pod holds this share of is a new prefix: it goes to the "

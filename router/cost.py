@@ -2,12 +2,13 @@
 
     ttft = queue + transfer + recompute
 
-- queue: prefill work still waiting on the pod: the tokens the router has sent and
-  not yet seen a first token for, costed as their prefill (rate plus attention), less
-  the time the pod has been on the oldest of them (at most that one's work); plus
-  requests the engine reported waiting beyond those the router had pending when it
-  scraped, costed at the mean prompt; plus decode interference from running
-  requests; plus a penalty when the KV cache is nearly full (preemptions ahead).
+- queue: prefill work waiting on the pod: the tokens the router has sent and not yet
+  seen a first token for, plus requests the engine reported waiting beyond those the
+  router had pending when it scraped (at the mean prompt), costed as their prefill
+  (rate plus attention); with ``queue_progress``, less the time the pod has been on the
+  oldest of the router's (at most that one's work); plus decode interference from
+  running requests; plus a penalty when the KV cache is nearly full (preemptions
+  ahead).
 - transfer: blocks held only in a slower tier are loaded (tier latency + bytes
   over tier bandwidth).
 - recompute: every token not resident (or not worth loading) is prefilled: at the
@@ -104,21 +105,22 @@ def prefill_compute_ms(tokens: float, pairs: float, params: CostParams) -> float
 def pending_prefill_ms(load: PodLoad, params: CostParams) -> float:
     """Prefill still queued on the pod: its tokens at the prefill rate plus their
     attention, so a pod with one long prompt pending is known to be busier than one
-    with several short ones of the same total; less the time the pod has been on the
-    oldest of them (it runs them in order), at most that one's own work: until its first
-    token comes it is not done. A pod half through its only pending prefill waits half."""
-    sent = prefill_compute_ms(load.pending_prefill_tokens, load.pending_prefill_pairs, params)
-    head = prefill_compute_ms(*load.head_prefill, params)
-    left = max(0.0, sent - min(head, load.prefill_busy_s * 1000.0))
+    with several short ones of the same total. With ``queue_progress``, less the time
+    the pod has been on the oldest of them (it runs them in order), at most that one's
+    own work: until its first token comes it is not done. A pod half through its only
+    pending prefill then waits half."""
     # Requests waiting that the router did not send (another replica's, a direct
     # client's), counted against the router's pending at the scrape's instant: a scrape
     # is up to an interval old, and its waiting requests may have started since.
     unseen_waiting = max(0.0, load.engine_waiting - load.scraped_pending_requests)
     mean = load.mean_request_tokens
-    unseen = prefill_compute_ms(
-        unseen_waiting * mean, unseen_waiting * attention_pairs(mean, 0.0), params
-    )
-    return left + unseen
+    tokens = load.pending_prefill_tokens + unseen_waiting * mean
+    pairs = load.pending_prefill_pairs + unseen_waiting * attention_pairs(mean, 0.0)
+    queued = prefill_compute_ms(tokens, pairs, params)
+    if not params.queue_progress or load.prefill_busy_s <= 0.0:
+        return queued
+    head = prefill_compute_ms(*load.head_prefill, params)
+    return max(0.0, queued - min(head, load.prefill_busy_s * 1000.0))
 
 
 def queue_ms(load: PodLoad, params: CostParams) -> float:

@@ -379,6 +379,9 @@ def test_prefill_attention_grows_with_context() -> None:
     assert warm.recompute_ms > m.predict("p", 5_000, match(), PodLoad()).recompute_ms
 
 
+MQ = CostModel(P.model_copy(update={"queue_progress": True}), 10, 1000)
+
+
 class _Clock:
     """A clock the test sets: the pool's load accounting reads it."""
 
@@ -390,9 +393,9 @@ class _Clock:
 
 
 def test_a_pod_half_through_its_pending_prefill_predicts_half_the_wait() -> None:
-    """The pod runs its pending prefills in order: the queue is what was sent less the
-    time it has been on the oldest one, at most that one's work until its first token
-    comes (P: 10,000 tokens/s, so 2,000 tokens are 200 ms)."""
+    """With queue_progress, the pod runs its pending prefills in order: the queue is what
+    was sent less the time it has been on the oldest one, at most that one's work until
+    its first token comes (P: 10,000 tokens/s, so 2,000 tokens are 200 ms)."""
     from kvplane.router.load import Attempt
     from kvplane.router.pool import Pool
 
@@ -402,12 +405,14 @@ def test_a_pod_half_through_its_pending_prefill_predicts_half_the_wait() -> None
     state = pool.states["p"]
 
     def queue() -> float:
-        return M.predict("p", 10, match(), pool.loads(["p"])["p"]).queue_ms
+        return MQ.predict("p", 10, match(), pool.loads(["p"])["p"]).queue_ms
 
     a, b, c = (Attempt(state, n, clock.now, n) for n in (2000, 1000, 500))
     a.begin()
     clock.now = 0.1
     assert queue() == pytest.approx(100.0)  # half of a's 200 ms done
+    off = M.predict("p", 10, match(), pool.loads(["p"])["p"]).queue_ms
+    assert off == pytest.approx(200.0)  # off (the default): all of it queued
     b.begin()  # sent behind a: the pod is still on a
     assert queue() == pytest.approx(100.0 + 100.0)
     clock.now = 0.25
@@ -436,15 +441,15 @@ def test_a_pod_half_through_its_pending_prefill_predicts_half_the_wait() -> None
         head_prefill=(2000, 0.0),
         prefill_busy_s=0.05,
     )
-    assert M.predict("p", 10, match(), busy).queue_ms == pytest.approx(250.0)
+    assert MQ.predict("p", 10, match(), busy).queue_ms == pytest.approx(250.0)
     done = replace(busy, prefill_busy_s=5.0)
-    assert M.predict("p", 10, match(), done).queue_ms == pytest.approx(100.0)
+    assert MQ.predict("p", 10, match(), done).queue_ms == pytest.approx(100.0)
 
 
 def test_a_scrape_still_counts_the_waiting_it_reports_beyond_the_routers_own() -> None:
-    """Requests the engine reported waiting beyond the router's pending at the scrape
-    are queued in full at the mean prompt (the router never saw them start); the next
-    scrape that no longer reports them takes them off."""
+    """With queue_progress, requests the engine reported waiting beyond the router's
+    pending at the scrape are queued in full at the mean prompt (the router never saw
+    them start); the next scrape that no longer reports them takes them off."""
     from kvplane.router.load import Attempt
     from kvplane.router.pool import Pool
 
@@ -455,7 +460,7 @@ def test_a_scrape_still_counts_the_waiting_it_reports_beyond_the_routers_own() -
     pool.mean_request_tokens = 500.0  # 50 ms each
 
     def queue() -> float:
-        return M.predict("p", 10, match(), pool.loads(["p"])["p"]).queue_ms
+        return MQ.predict("p", 10, match(), pool.loads(["p"])["p"]).queue_ms
 
     Attempt(state, 2000, clock.now, 2000).begin()
     state.observe(EngineStats(waiting=3.0))  # the router's one and two from elsewhere
