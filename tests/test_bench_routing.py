@@ -13,14 +13,17 @@ from typing import Any, cast
 
 import pytest
 from kvplane.router.config import CostParams
+from kvplane.router.policies.cost import CostReason
 from pydantic import ValidationError
 
 from kvplane.bench import routing
 from kvplane.bench.routers import kvplane_config
 from kvplane.bench.routing_report import SECTION, check_targets
-from kvplane.workload.results import CORE_KEYS
+from kvplane.workload.results import CORE_KEYS, load_results
 
 pytestmark = pytest.mark.timeout(600)
+
+REASONS = [v for k, v in vars(CostReason).items() if k.isupper()]
 
 
 def _rows(out: Path, stem: str) -> list[dict[str, object]]:
@@ -34,9 +37,15 @@ def _rows(out: Path, stem: str) -> list[dict[str, object]]:
 def test_http_run_through_kvplane_and_sglang_router(tmp_path: Path) -> None:
     argv = ["--workloads", "gsp", "--routers", "kvplane,sglang-router-cache_aware"]
     argv += ["--quick", "--limit", "12", "--time-scale", "1", "--out-dir", str(tmp_path)]
-    argv += ["--no-progress", "--rate-scale", "0.5"]
+    argv += ["--no-progress", "--rate-scale", "0.5", "--save-requests", str(tmp_path / "req")]
     assert routing.main(argv) == 0
     rows = _rows(tmp_path, "routing")
+    # per-request results keep the router's stated reason (kvplane's x-kvplane-reason)
+    saved = {p.name: load_results(p) for p in (tmp_path / "req").glob("*.jsonl.xz")}
+    ours = next(v for k, v in saved.items() if "-kvplane-" in k)
+    theirs = next(v for k, v in saved.items() if "-sglang-router-" in k)
+    assert len(ours) == 12 and {r.reason for r in ours} <= set(REASONS)
+    assert all(r.reason is None for r in theirs)
     assert [r["router"] for r in rows] == ["kvplane", "sglang-router-cache_aware"]
     for r in rows:
         assert list(r)[: len(CORE_KEYS)] == list(CORE_KEYS)

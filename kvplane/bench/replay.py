@@ -73,6 +73,7 @@ async def _one(
     prompt_tokens = req.input_length
     cached: int | None = None
     backend: str | None = None
+    reason: str | None = None
     error: str | None = None
     try:
         async with client.stream(
@@ -80,6 +81,7 @@ async def _one(
         ) as resp:
             backend = resp.headers.get("x-kvplane-pod") or resp.headers.get(BACKEND_HEADER)
             overhead_s = float(resp.headers.get(OVERHEAD_HEADER) or 0.0) / 1000.0
+            reason = resp.headers.get("x-kvplane-reason")
             if resp.status_code != 200:
                 error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
             else:
@@ -130,6 +132,7 @@ async def _one(
         arrival_s=req.arrival_s,
         error=error,
         overhead_s=overhead_s,
+        reason=reason,
     )
 
 

@@ -11,7 +11,9 @@ request's ideal floor (:mod:`kvplane.bench.floor`):
   it, against what the engine reported cached;
 - the prefill work pending on its pod when it arrived, and the least pending on any pod
   (reconstructed from the run: a request's uncached tokens are pending from its arrival
-  to its first token).
+  to its first token);
+- the pod, with the router's stated reason for it where the router gives one
+  (kvplane's ``x-kvplane-reason``: ``cache_hit``, ``load_balance``, ...).
 
 Each tail request gets one cause, the first that holds:
 
@@ -58,6 +60,7 @@ class TailRequest:
     pending_tokens: int  # uncached prompt tokens pending on its pod when it arrived
     least_pending_tokens: int  # the least pending on any pod then
     cause: str
+    reason: str | None = None  # the router's stated reason for the pod, where it gave one
 
     @property
     def wait_ms(self) -> float:
@@ -77,6 +80,7 @@ class TailRequest:
             "pending_tokens": self.pending_tokens,
             "least_pending_tokens": self.least_pending_tokens,
             "cause": self.cause,
+            "reason": self.reason,
         }
 
 
@@ -157,6 +161,7 @@ def tail(
                 cause=classify(
                     ttft_ms, own, fl.ttft_ms[i], missed_ms, missed if missed >= block_size else 0
                 ),
+                reason=r.reason,
             )
         )
     return sorted(out, key=lambda t: -t.ttft_ms)
@@ -188,7 +193,8 @@ def markdown(rows: Sequence[TailRequest], title: str) -> str:
     for r in rows:
         lines.append(
             f"| {r.ttft_ms:.0f} | {r.prompt} | {r.cached} | {r.oracle_cached} | "
-            f"{r.floor_ms:.0f} | {r.own_ms:.0f} | {r.wait_ms:.0f} | {r.backend} | "
+            f"{r.floor_ms:.0f} | {r.own_ms:.0f} | {r.wait_ms:.0f} | {r.backend}"
+            f"{f' ({r.reason})' if r.reason else ''} | "
             f"{r.pending_tokens} | {r.least_pending_tokens} | {r.cause} |"
         )
     return "\n".join(lines) + "\n"

@@ -40,6 +40,7 @@ class RequestResult:
     error: str | None = None
     output_tokens: int | None = None
     overhead_s: float = 0.0  # a peer proxy's own work, taken out of ttft_s (benchmarks)
+    reason: str | None = None  # the router's stated reason for its pod (x-kvplane-reason)
 
 
 def mean_itl(t_first: float, t_last: float, n_tokens: int) -> float | None:
