@@ -30,7 +30,6 @@ class LoadCounters:
     """Router-tracked load of one pod."""
 
     pending_tokens: int = 0  # uncached prompt tokens sent, awaiting their first token
-    pending_requests: int = 0  # requests of the above
     pending_pairs: float = 0.0  # their prefill attention work (cost.attention_pairs)
     scraped_pending_requests: int = 0  # pending_requests when the last scrape was taken
     finished: int = 0  # requests sent here that have ended (Attempt.end)
@@ -45,6 +44,11 @@ class LoadCounters:
     sends: int = 0  # Attempts begun here: the keys of pending_order
     busy_since: float = 0.0  # when the pod began on the head of its pending prefills
     clock: Callable[[], float] = field(default=time.monotonic, repr=False, compare=False)
+
+    @property
+    def pending_requests(self) -> int:
+        """Requests sent here awaiting their first token."""
+        return len(self.pending_order)
 
     def head(self) -> tuple[int, float]:
         """The oldest pending prefill's tokens and attention pairs ((0, 0.0): none)."""
@@ -103,7 +107,6 @@ class Attempt:
         c.pending_order[self.send] = (self.uncached_tokens, self.pairs)
         c.pending_tokens += self.uncached_tokens
         c.pending_pairs += self.pairs
-        c.pending_requests += 1
         c.book(self.context_tokens)
 
     def first(self) -> None:
@@ -111,7 +114,6 @@ class Attempt:
             self.first_byte = True
             c = self.counters
             c.pending_tokens -= self.uncached_tokens
-            c.pending_requests -= 1
             was_head = next(iter(c.pending_order), None) == self.send
             c.pending_order.pop(self.send, None)
             if was_head:  # the pod moves on to the next one

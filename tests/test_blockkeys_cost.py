@@ -18,6 +18,7 @@ from kvplane.router.config import (
 from kvplane.router.cost import CostModel, PeerOffer, PodLoad, peer_offers
 from kvplane.router.engine_stats import EngineStats
 from kvplane.router.generation import generation_tag
+from kvplane.router.load import Attempt
 from kvplane.router.policies.cost import CostReason as Reason
 from kvplane.router.policies.cost import choose_by_cost, over_cap
 from kvplane.router.policies.sticky import sticky_order
@@ -117,16 +118,19 @@ def test_a_stale_scrape_of_the_routers_own_requests_adds_no_queue() -> None:
     load = PodLoad(engine_waiting=3, scraped_pending_requests=3)
     assert M.predict("p", 10, match(), replace(load, mean_request_tokens=500)).queue_ms == 0.0
     state = BackendState(Backend(name="p", url="http://p"))
-    state.pending_requests = 3
+    sent = [Attempt(state, 10, 0.0, 10) for _ in range(3)]
+    for attempt in sent:
+        attempt.begin()
     state.observe(EngineStats(waiting=3.0))
-    state.pending_requests = 0
+    for attempt in sent:
+        attempt.first()
+    assert state.pending_requests == 0
     assert state.load(1024.0, now=0.0).scraped_pending_requests == 3
 
 
 def test_a_stale_scrape_of_the_routers_finished_requests_counts_them_no_more() -> None:
     """The scrape saw the router's 2 requests running; one has ended since: the pod
     runs at most one (a request the scrape never saw still counts by the router's own)."""
-    from kvplane.router.load import Attempt
 
     state = BackendState(Backend(name="p", url="http://p"))
     attempts = [Attempt(state, 10, 0.0, 10) for _ in range(2)]
@@ -396,7 +400,6 @@ def test_a_pod_half_through_its_pending_prefill_predicts_half_the_wait() -> None
     """With queue_progress, the pod runs its pending prefills in order: the queue is what
     was sent less the time it has been on the oldest one, at most that one's work until
     its first token comes (P: 10,000 tokens/s, so 2,000 tokens are 200 ms)."""
-    from kvplane.router.load import Attempt
     from kvplane.router.pool import Pool
 
     clock = _Clock()
@@ -450,7 +453,6 @@ def test_a_scrape_still_counts_the_waiting_it_reports_beyond_the_routers_own() -
     """With queue_progress, requests the engine reported waiting beyond the router's
     pending at the scrape are queued in full at the mean prompt (the router never saw
     them start); the next scrape that no longer reports them takes them off."""
-    from kvplane.router.load import Attempt
     from kvplane.router.pool import Pool
 
     clock = _Clock()

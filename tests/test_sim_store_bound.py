@@ -3,8 +3,8 @@ itself, Belady's optimum as the ceiling of any eviction policy."""
 
 from __future__ import annotations
 
-from kvplane.sim.kvcache import BlockMeta, Link, SharedStore
-from kvplane.sim.store_bound import Access, replay
+from kvplane.sim.kvcache import BlockMeta, Link, SharedStore, StoreAccess
+from kvplane.sim.store_bound import replay
 
 META = BlockMeta(ext=0, parent=None, tokens=())
 
@@ -15,7 +15,7 @@ def b(*names: str) -> tuple[bytes, ...]:
 
 def test_belady_keeps_what_is_needed_soonest_where_lru_keeps_the_most_recent() -> None:
     # capacity 2: A is loaded again at the end, B and C never; LRU lets A go for C
-    trace: list[Access] = [
+    trace: list[StoreAccess] = [
         (True, b("A")),
         (False, b("A")),
         (True, b("B")),
@@ -27,7 +27,7 @@ def test_belady_keeps_what_is_needed_soonest_where_lru_keeps_the_most_recent() -
 
 
 def test_a_load_stops_at_the_first_block_not_held() -> None:
-    trace: list[Access] = [(True, b("A", "B", "C")), (False, b("A", "X", "C"))]
+    trace: list[StoreAccess] = [(True, b("A", "B", "C")), (False, b("A", "X", "C"))]
     for policy in ("lru", "slru", "opt"):
         assert replay(trace, 8, policy) == 1, policy
 

@@ -59,6 +59,7 @@ class Decoder:
 
     def __init__(self, shape: Shape, device: torch.device, dtype: torch.dtype) -> None:
         self.s, self.device, self.dtype = shape, device, dtype
+        self.merged = True  # chunks after a context: see attention()
         q = shape.heads * shape.head_dim
         kv = shape.kv_heads * shape.head_dim
         g = torch.Generator(device=device).manual_seed(0)
@@ -128,7 +129,7 @@ class Decoder:
                 1, 2
             )
             keys, values = k_cache[:, :, : past + n], v_cache[:, :, : past + n]
-            attn = attention(q, keys, values, past)
+            attn = attention(q, keys, values, past, self.merged)
             x = x + F.linear(attn.transpose(1, 2).reshape(batch, n, q_dim), layer["o"])
             h = F.rms_norm(x, (s.hidden,), layer["ln2"], 1e-5)
             gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
@@ -137,18 +138,19 @@ class Decoder:
         return F.linear(last, self.lm_head)
 
 
-MERGED = [True]  # chunks after a context: two FlashAttention calls merged (False: one masked call)
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, merged: bool = True
+) -> torch.Tensor:
     """Causal attention of the new queries: the cached context in full, the new tokens
-    causally (bottom-right aligned); a decode (one query) attends to everything."""
+    causally (bottom-right aligned); a decode (one query) attends to everything. A chunk
+    after a context runs as two FlashAttention calls merged (``merged``, on a GPU) or as
+    one masked call."""
     n = q.shape[2]
     if n == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     if past == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if MERGED[0] and q.is_cuda:
+    if merged and q.is_cuda:
         return _merged_flash(q, k, v, past)
     from torch.nn.attention.bias import causal_lower_right
 
@@ -186,11 +188,9 @@ def _merged_error(device: torch.device, dtype: torch.dtype) -> float:
     the two compute the same attention)."""
     q = torch.randn(1, 8, 64, 128, device=device, dtype=dtype)
     k, v = (torch.randn(1, 2, 320, 128, device=device, dtype=dtype) for _ in range(2))
-    merged = _merged_flash(q, k, v, 256)
-    MERGED[0] = False
-    reference = attention(q, k, v, 256)
-    MERGED[0] = True
-    return float((merged.float() - reference.float()).abs().max())
+    joined = _merged_flash(q, k, v, 256)
+    reference = attention(q, k, v, 256, merged=False)
+    return float((joined.float() - reference.float()).abs().max())
 
 
 EAGER: list[str] = []  # what could not be captured in a CUDA graph and ran eagerly
@@ -286,15 +286,15 @@ def measure(shape: Shape, plan: Plan, device: torch.device, graph: bool) -> dict
         out["chunk_ms"] = {str(p): prefill(plan.chunk_tokens, p) for p in plan.chunk_contexts}
     except RuntimeError as exc:  # no flash operator here: the masked kernel alone
         out["merged_failed"] = str(exc).splitlines()[0][:300]
-        MERGED[0] = False
+        model.merged = False
         out["chunk_ms"] = {str(p): prefill(plan.chunk_tokens, p) for p in plan.chunk_contexts}
-    if device.type == "cuda" and MERGED[0]:  # the same chunks through one masked kernel
+    if device.type == "cuda" and model.merged:  # the same chunks through one masked kernel
         out["merged_max_abs_err"] = _merged_error(device, dtype)
-        MERGED[0] = False
+        model.merged = False
         out["chunk_masked_ms"] = {
             str(p): prefill(plan.chunk_tokens, p) for p in plan.chunk_contexts
         }
-        MERGED[0] = True
+        model.merged = True
 
     decode: dict[str, float] = {}
     for b in plan.decode_batches:

@@ -119,6 +119,8 @@ class Link:
 
 SIM_STORE: Final = "sim-store"  # the shared store's name in a router's config
 STORE_POLICIES: Final = ("lru", "slru")
+# One traced store access: (True, blocks written) or (False, blocks a load looked up).
+StoreAccess = tuple[bool, tuple[bytes, ...]]
 PROTECTED_SHARE = 0.8  # slru: the share of the store that blocks reused once may hold
 
 
@@ -177,7 +179,7 @@ class SharedStore:
         self.events: dict[str, list[KVEvent]] = {}  # writer -> its events, in order
         self.found = 0  # blocks loads found here
         # with ``trace``: every write and load attempt, in order (kvplane.sim.store_bound)
-        self.trace: list[tuple[bool, tuple[bytes, ...]]] | None = [] if trace else None
+        self.trace: list[StoreAccess] | None = [] if trace else None
 
     def __len__(self) -> int:
         return len(self.entries) + len(self.protected)

@@ -19,16 +19,14 @@ import heapq
 from collections.abc import Sequence
 from typing import Final
 
-from kvplane.sim.kvcache import STORE_POLICIES, BlockMeta, Link, SharedStore
+from kvplane.sim.kvcache import STORE_POLICIES, BlockMeta, Link, SharedStore, StoreAccess
 
-# One access: (True, blocks written) or (False, blocks a load looked up, in order).
-Access = tuple[bool, tuple[bytes, ...]]
 REPLAY_POLICIES: Final = (*STORE_POLICIES, "opt")
 _META: Final = BlockMeta(ext=0, parent=None, tokens=())
 NEVER: Final = 1 << 62
 
 
-def replay(trace: Sequence[Access], capacity: int, policy: str) -> int:
+def replay(trace: Sequence[StoreAccess], capacity: int, policy: str) -> int:
     """Blocks the loads of ``trace`` find in a store of ``capacity`` blocks run by
     ``policy`` (``lru`` and ``slru`` run :class:`SharedStore` itself)."""
     if policy == "opt":
@@ -44,7 +42,7 @@ def replay(trace: Sequence[Access], capacity: int, policy: str) -> int:
     return found
 
 
-def _next_loads(trace: Sequence[Access]) -> list[list[int]]:
+def _next_loads(trace: Sequence[StoreAccess]) -> list[list[int]]:
     """For every block of every access, the index of the next load that looks it up
     (``NEVER`` if none)."""
     upcoming: dict[bytes, int] = {}
@@ -58,7 +56,7 @@ def _next_loads(trace: Sequence[Access]) -> list[list[int]]:
     return out
 
 
-def _belady(trace: Sequence[Access], capacity: int) -> int:
+def _belady(trace: Sequence[StoreAccess], capacity: int) -> int:
     """Belady's eviction (with bypass) over the stream, loads counted up to the first
     block not held."""
     nxt = _next_loads(trace)
