@@ -90,6 +90,12 @@ def unique(words: int = 120) -> str:
     return f"[{uuid.uuid4().hex}] " + " ".join(f"w{i % 97}" for i in range(words))
 
 
+def sim_stats(fleet: SimFleet) -> dict[str, Any]:
+    """The first engine's ``/sim/stats``."""
+    stats: dict[str, Any] = httpx.get(f"{fleet.engines[0].url}/sim/stats", timeout=TIMEOUT).json()
+    return stats
+
+
 def sim_requests(fleet: SimFleet) -> dict[str, int]:
     return {
         e.cfg.name: int(httpx.get(f"{e.url}/sim/stats", timeout=TIMEOUT).json()["requests"])
@@ -184,15 +190,29 @@ async def test_async_client_and_load_while_streaming(
     wait_idle(picker)
 
 
-def test_a_client_that_leaves_mid_stream_frees_its_pod(
-    envoy: RunningEnvoy, picker: PickerThread
-) -> None:
-    body = {"model": "tiny", "prompt": unique(30), "max_tokens": 2000, "stream": True}
-    with httpx.stream("POST", f"{envoy.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
-        assert r.status_code == 200
-        next(r.iter_raw())
-        assert sum(v[0] for v in pod_load(picker).values()) == 1
-    wait_idle(picker)
+def test_a_client_that_leaves_mid_stream_frees_its_pod(tokenizer_dir: Path, tmp_path: Path) -> None:
+    """The engine runs 50 times slower than modeled, so the stream is minutes from its
+    end when the client leaves, however busy the machine: the picker frees the pod and
+    Envoy's reset reaches the engine, which aborts the request."""
+    cfg = FleetConfig(
+        tokenizer=str(tokenizer_dir), engines=1, model="tiny", profile="cpu-tiny", time_scale=50.0
+    )
+    with (
+        running_fleet(cfg) as slow,
+        serve_picker([pool_config(tokenizer_dir, slow.backends())]) as p,
+        running_envoy(GatewaySpec(p.address), tmp_path) as e,
+    ):
+        body = {"model": "tiny", "prompt": unique(30), "max_tokens": 2000, "stream": True}
+        with httpx.stream("POST", f"{e.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+            assert r.status_code == 200
+            next(r.iter_raw())
+            assert sum(v[0] for v in pod_load(p).values()) == 1
+        wait_idle(p)
+        deadline = time.monotonic() + TIMEOUT
+        while sim_stats(slow)["aborted"] != 1:
+            assert time.monotonic() < deadline, sim_stats(slow)
+            time.sleep(0.05)
+        assert sim_stats(slow)["finished"] == 0
 
 
 @pytest.mark.parametrize(
