@@ -25,7 +25,9 @@ from __future__ import annotations
 import json
 import threading
 from array import array
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,9 +36,8 @@ import xxhash
 CHUNK_CHARS = 512
 
 
-class _Encoding(Protocol):
-    @property
-    def ids(self) -> list[int]: ...
+class _Spans(Protocol):
+    """Where tokens and pre-tokenizer segments ("words") sit in the text."""
 
     def char_to_token(self, pos: int) -> int | None: ...
 
@@ -45,6 +46,74 @@ class _Encoding(Protocol):
     def word_to_tokens(self, word: int) -> tuple[int, int] | None: ...
 
     def word_to_chars(self, word: int) -> tuple[int, int] | None: ...
+
+
+class _Encoding(_Spans, Protocol):
+    @property
+    def ids(self) -> list[int]: ...
+
+    @property
+    def word_ids(self) -> list[int | None]: ...
+
+    def token_to_chars(self, token: int) -> tuple[int, int] | None: ...
+
+
+class SortedSpans:
+    """An encoding's spans by binary search. ``tokenizers``' own ``char_to_token`` and
+    ``word_to_tokens`` scan the tokens from the first on every call, which made
+    recording a long prompt's cuts quadratic in its length; ``token_to_chars`` is a
+    direct lookup. The searches rely on what a byte-level BPE pipeline (the only kind
+    ``reuse_is_exact`` admits) guarantees: tokens come in text order, so their
+    character offsets never go backwards; word ids are checked."""
+
+    def __init__(self, encoding: _Encoding, words: list[int]) -> None:
+        self._encoding = encoding
+        self._words = words
+        self._ends = _Ends(encoding, len(words))
+
+    @classmethod
+    def of(cls, encoding: _Encoding) -> _Spans:
+        """The searches where word ids are in order, else the encoding's own lookups."""
+        words = encoding.word_ids
+        if None in words or words != sorted(words):  # type: ignore[type-var]
+            return encoding
+        return cls(encoding, words)  # type: ignore[arg-type]  # None ruled out
+
+    def _chars(self, token: int) -> tuple[int, int]:
+        chars = self._encoding.token_to_chars(token)
+        assert chars is not None  # every token of a single sequence has offsets
+        return chars
+
+    def char_to_token(self, pos: int) -> int | None:
+        # the first token that ends after pos, if it starts at or before it
+        i = bisect_right(self._ends, pos)
+        return i if i < len(self._words) and self._chars(i)[0] <= pos else None
+
+    def token_to_word(self, token: int) -> int | None:
+        return self._words[token] if 0 <= token < len(self._words) else None
+
+    def word_to_tokens(self, word: int) -> tuple[int, int] | None:
+        first, end = bisect_left(self._words, word), bisect_right(self._words, word)
+        return (first, end) if first < end else None
+
+    def word_to_chars(self, word: int) -> tuple[int, int] | None:
+        span = self.word_to_tokens(word)
+        return None if span is None else (self._chars(span[0])[0], self._chars(span[1] - 1)[1])
+
+
+class _Ends(Sequence[int]):
+    """Each token's end offset, looked up when a search asks for it."""
+
+    def __init__(self, encoding: _Encoding, n: int) -> None:
+        self._encoding, self._n = encoding, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> int:  # type: ignore[override]  # no slices
+        chars = self._encoding.token_to_chars(i)
+        assert chars is not None
+        return chars[1]
 
 
 def reuse_is_exact(backend_json: str) -> bool:
@@ -150,11 +219,12 @@ class PrefixTokenCache:
             return
         base_ids, base_chars = base
         keys: list[int] = []
+        spans = SortedSpans.of(encoding)
         for k, h in enumerate(hashes, start=1):
             if h in self._entries:
                 continue
             limit = k * self._chunk - self._margin - base_chars
-            cut = _cut_before(encoding, limit, text_len - base_chars)
+            cut = _cut_before(spans, limit, text_len - base_chars)
             if cut is None:
                 continue
             n_ids, offset = cut
@@ -171,7 +241,7 @@ class PrefixTokenCache:
                 self._entries.pop(old, None)
 
 
-def _cut_before(encoding: _Encoding, limit: int, text_len: int) -> tuple[int, int] | None:
+def _cut_before(encoding: _Spans, limit: int, text_len: int) -> tuple[int, int] | None:
     """(ids before, char offset) of a segment boundary whose next segment ends before
     ``limit``; None when no such boundary is near (e.g. one huge segment)."""
     if limit <= 0 or limit > text_len:

