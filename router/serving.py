@@ -39,6 +39,8 @@ log = logging.getLogger("kvplane.router.serving")
 # File descriptors kept for everything but client connections: backend connections
 # (the forwarder's in-flight cap plus idle pools), Redis, ZMQ, the tokenizer files.
 FD_RESERVE_SHARE = 0.5
+# how long a refused connection may go on sending before it is closed (_linger)
+LINGER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +117,7 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
         self._head_fields = 0  # parsed of the current head
         self._head_parsed = 0
         self._refusal: str | None = None
+        self._lingering = False  # answered a refusal: what still comes is discarded
 
     # -- connections -------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -164,6 +167,8 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
 
     # -- reading a request -------------------------------------------------
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
         if self.waiting:
             self._head_bytes += len(data)
         super().data_received(data)
@@ -245,7 +250,18 @@ class BoundedHttpToolsProtocol(HttpToolsProtocol):
                 )
             )
         )
-        self.transport.close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Half-close after a refusal and discard what the client still sends, for at
+        most ``LINGER_S``: closing with unread input makes the kernel reset the
+        connection, and a reset can destroy the answer before the client reads it."""
+        self._lingering = True
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def run(router: RouterConfig, host: str, port: int, workers: int, log_level: str) -> None:
