@@ -381,6 +381,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibration_arguments(cal)
     cal.set_defaults(handler=calibration_run)
+    tk = bsub.add_parser(
+        "tokenize", help="the router's tokenizer on a workload's prompts, reuse cache off and on"
+    )
+    from kvplane.bench.tokenize import add_arguments as tokenize_arguments
+    from kvplane.bench.tokenize import run as tokenize_run
+
+    tokenize_arguments(tk)
+    tk.set_defaults(handler=tokenize_run)
     s = bsub.add_parser(
         "soak", help="the router under steady traffic for a long time: memory, FDs, index size"
     )
