@@ -190,11 +190,13 @@ def run(args: argparse.Namespace) -> int:
         "versions": versions(),
         "result": result,
     }
+    if args.no_write:
+        print(markdown(record, "not written"))
+        return 0
     folder, md = results_dir(args.out_dir)
-    text = markdown(record, "")
+    path = folder / f"tokenize-{args.workload}-{started:%Y-%m-%d}.json"
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    text = markdown(record, bench_relative(path))
+    update_markdown(md, text, HEADING)
     print(text)
-    if not args.no_write:
-        path = folder / f"tokenize-{args.workload}-{started:%Y-%m-%d}.json"
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        update_markdown(md, markdown(record, bench_relative(path)), HEADING)
     return 0
