@@ -25,6 +25,7 @@ from support.router_server import RunningRouter, chat_tokenizer_dir, serve_route
 from kvplane.sim.fleet import FleetConfig, SimFleet, running_fleet
 
 TIMEOUT = 10.0
+GENERATION_TIMEOUT = 90.0  # a whole context's worth of decode steps, on a busy machine
 PODS = 3
 
 
@@ -408,11 +409,13 @@ def test_hostile_bodies_get_4xx_in_openai_shape(router: RunningRouter, path: str
     @settings(max_examples=60, deadline=None, database=None)
     @given(content=bodies)
     def prop(content: bytes) -> None:
+        # a valid body may ask for the longest answer the context allows (a large
+        # max_output_tokens): 8k tokens of 2 ms steps on the simulated engine
         r = httpx.post(
             router.url + path,
             content=content,
             headers={"content-type": "application/json"},
-            timeout=TIMEOUT,
+            timeout=GENERATION_TIMEOUT,
         )
         assert r.status_code < 500, (content[:200], r.status_code, r.text[:300])
         if r.status_code >= 400:
