@@ -33,6 +33,7 @@ from kvplane.bench.procs import (
 )
 from kvplane.router.token_reuse import PrefixTokenCache, chunk_hashes
 from kvplane.router.tokens import PromptTokenizer
+from kvplane.workload.results import percentile
 from kvplane.workload.traces import PromptBuilder, build_workload
 
 HEADING = "## Router tokenization (`kvplane bench tokenize`)"
@@ -49,8 +50,8 @@ class Pass:
 
     @classmethod
     def of(cls, seconds: Sequence[float]) -> Pass:
-        ms = sorted(s * 1000.0 for s in seconds)
-        return cls(sum(seconds), _quantile(ms, 0.5), _quantile(ms, 0.99), ms[-1])
+        ms = [s * 1000.0 for s in seconds]
+        return cls(sum(seconds), percentile(ms, 50), percentile(ms, 99), max(ms))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +67,6 @@ class Recording:
         return self.record_ms / self.encode_ms if self.encode_ms else 0.0
 
 
-def _quantile(sorted_values: Sequence[float], q: float) -> float:
-    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
-
-
 def _timed(fn: Any, *args: Any) -> tuple[float, Any]:
     start = time.perf_counter()
     out = fn(*args)
@@ -82,8 +79,8 @@ def record_costs(tok: PromptTokenizer, texts: Sequence[str], picks: int) -> list
     n = len(by_len)
     chosen = {by_len[int(q * (n - 1))] for q in (0.5, 0.9, 0.99)} | set(by_len[-picks:])
     out: list[Recording] = []
+    rust = tok.hf.backend_tokenizer
     for text in sorted(chosen, key=len):
-        rust = tok.hf.backend_tokenizer
         encode_s, encs = _timed(rust.encode_batch, [text], False)
         enc = encs[0]
         cache = PrefixTokenCache(1 << 40, 64)
