@@ -121,6 +121,14 @@ class CostParams(_Strict):
     running_step_ms_per_request: Annotated[float, Field(ge=0)] = 0.05
     kv_pressure_threshold: Annotated[float, Field(ge=0, le=1)] = 0.9
     kv_pressure_penalty_ms: Annotated[float, Field(ge=0)] = 200.0
+    kv_overflow_penalty_ms: Annotated[float, Field(ge=0)] = Field(
+        default=2000.0,
+        description="a prompt whose new tokens do not fit in the KV its pod has free "
+        "(capacity from vllm:cache_config_info or sglang:max_total_num_tokens, less the "
+        "usage and the prefill the router has pending there) waits for running requests "
+        "to finish: vLLM preempts the newest request, usually that prompt, until blocks "
+        "free up. The penalty stands for that wait",
+    )
     tiers: dict[Tier, TierCost] = Field(default_factory=_default_tiers)
     recompute_weight: Annotated[float, Field(ge=1)] = Field(
         default=6.0,

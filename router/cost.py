@@ -8,7 +8,8 @@
   (rate plus attention); with ``queue_progress``, less the time the pod has been on the
   oldest of the router's (at most that one's work); plus decode interference from
   running requests; plus a penalty when the KV cache is nearly full (preemptions
-  ahead).
+  ahead), and a larger one when the prompt does not fit in what is free (it waits for
+  running requests to finish: ``kv_pressure_ms``).
 - transfer: blocks held only in a slower tier are loaded (tier latency + bytes
   over tier bandwidth).
 - recompute: every token not resident (or not worth loading) is prefilled: at the
@@ -62,6 +63,7 @@ class PodLoad:
     scraped_pending_requests: int = 0  # pending_requests when that scrape was taken
     engine_running: float = 0.0  # vllm:num_requests_running (scraped)
     kv_usage: float = 0.0  # vllm:kv_cache_usage_perc, 0..1 (scraped)
+    kv_capacity_tokens: float = 0.0  # KV the pod can hold (scraped; 0: unknown)
     recent_prefill_tokens: float = 0.0  # router-sent uncached tokens, decayed (half-life)
     mean_request_tokens: float = 1024.0  # the fleet's mean prompt: size of an unseen request
     lora: LoraState | None = None  # vllm:lora_requests_info (scraped), None if not reported
@@ -123,13 +125,31 @@ def pending_prefill_ms(load: PodLoad, params: CostParams) -> float:
     return max(0.0, queued - min(head, load.prefill_busy_s * 1000.0))
 
 
-def queue_ms(load: PodLoad, params: CostParams) -> float:
+def kv_pressure_ms(load: PodLoad, new_tokens: int, params: CostParams) -> float:
+    """Waiting for KV on the pod. ``kv_pressure_penalty_ms`` when its cache is past
+    ``kv_pressure_threshold`` (preemptions ahead). ``kv_overflow_penalty_ms`` instead when
+    the prompt's ``new_tokens`` (not resident there) do not fit beside what its requests
+    hold (the usage as scraped) and what the router has sent there and not yet seen
+    start (its pending prefill): vLLM allocates a prompt's blocks chunk by chunk and,
+    when none are free, preempts the newest running request, most often that prompt
+    itself, which then waits for running requests to finish. A pod that does not report
+    its capacity is judged by its usage alone."""
+    capacity = load.kv_capacity_tokens
+    if capacity > 0:
+        held = load.kv_usage * capacity + load.pending_prefill_tokens
+        if held + new_tokens > capacity:
+            return params.kv_overflow_penalty_ms
+    full = load.kv_usage >= params.kv_pressure_threshold
+    return params.kv_pressure_penalty_ms if full else 0.0
+
+
+def queue_ms(load: PodLoad, params: CostParams, new_tokens: int = 0) -> float:
+    """Waiting before a prompt whose ``new_tokens`` are not resident on the pod starts:
+    prefill ahead of it, its running requests' steps, and room in its KV cache."""
     running = max(load.engine_running, float(load.inflight - load.pending_requests))
     wait = pending_prefill_ms(load, params)
     wait += running * params.running_step_ms_per_request
-    if load.kv_usage >= params.kv_pressure_threshold:
-        wait += params.kv_pressure_penalty_ms
-    return wait
+    return wait + kv_pressure_ms(load, new_tokens, params)
 
 
 def transfer_ms(tokens: int, tier: Tier, params: CostParams, kv_bytes_per_token: int) -> float:
@@ -336,7 +356,7 @@ class CostModel:
             store = self.shared.store_of(pod)
         return CostTerms(
             pod=pod,
-            queue_ms=queue_ms(load, params),
+            queue_ms=queue_ms(load, params, prompt_tokens - resident),
             transfer_ms=best_transfer,
             recompute_ms=recompute(best_covered),
             cached_tokens=best_covered,

@@ -92,6 +92,7 @@ class BackendState(LoadCounters):
             scraped_pending_requests=self.scraped_pending_requests,
             engine_running=self.running_now(),
             kv_usage=self.stats.kv_usage,
+            kv_capacity_tokens=self.stats.kv_capacity_tokens,
             mean_request_tokens=mean_request_tokens,
             lora=self.stats.lora,
         )

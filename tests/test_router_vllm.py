@@ -120,6 +120,14 @@ def test_engine_stats_agree_with_prometheus_clients_parser(
     assert got.prefix_queries == want["vllm:prefix_cache_queries_total"] > 0
     progress = want["vllm:prompt_tokens_total"] + want["vllm:generation_tokens_total"]
     assert got.progress == progress > 0
+    # the KV the engine can hold, from the labels of its cache config: the usage above is
+    # taken over all its GPU blocks but vLLM's null block
+    info = next(
+        f for f in text_string_to_metric_families(text) if f.name == "vllm:cache_config_info"
+    )
+    labels = info.samples[0].labels
+    capacity = (int(labels["num_gpu_blocks"]) - 1) * int(labels["block_size"])
+    assert got.kv_capacity_tokens == capacity > 0
     # a sample with a timestamp after its value reads as its value
     stamped = text + "sglang:num_queue_reqs 7 1700000000000\n"
     assert parse_metrics(stamped).waiting == got.waiting + 7

@@ -22,6 +22,7 @@ import openai
 import pytest
 import zmq
 from kvplane.router.config import RouterConfig
+from kvplane.router.engine_stats import parse_metrics
 from kvplane.router.kvevents.decode import decode_batch, decode_message, parse_replay
 from kvplane.router.kvevents.model import BlockStored
 from prometheus_client.parser import text_string_to_metric_families
@@ -354,6 +355,12 @@ def test_metrics_parse_with_prometheus_client(fleet: SimFleet) -> None:
     assert any(s.name.endswith("_count") and s.value >= 2 for s in ttft)
     assert families["vllm:num_requests_running"].type == "gauge"
     assert families["vllm:prompt_tokens"].type == "counter"
+    # the router reads the engine's KV capacity from its cache config, as from vLLM's:
+    # what the simulator reports it can hold (the null block excluded)
+    labels = families["vllm:cache_config_info"].samples[0].labels
+    capacity = int(labels["kv_cache_size_tokens"])
+    assert parse_metrics(text).kv_capacity_tokens == capacity
+    assert capacity == (int(labels["num_gpu_blocks"]) - 1) * int(labels["block_size"])
 
 
 # ---- routers ------------------------------------------------------------------------------

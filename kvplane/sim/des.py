@@ -370,6 +370,7 @@ class _Sim:
                 waiting=float(st.num_waiting),
                 running=float(st.num_running),
                 kv_usage=st.kv_cache_usage,
+                kv_capacity_tokens=float(eng.core.profile.capacity_tokens),
             )
         )
         eng.snap_tick = tick
