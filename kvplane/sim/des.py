@@ -632,6 +632,8 @@ def run_des(
     if sim.peer_pulls:  # peer pulls chosen, by the class of the pair's link
         record.extra["peer_pulls"] = dict(sim.peer_pulls)
     record.extra["reported_cached_tokens"] = sum(r.cached_tokens or 0 for r in results)
+    # recompute preemptions: a prompt sent where its KV did not fit (cost: KV room)
+    record.extra["preemptions"] = sum(e.core.stats().num_preemptions for e in sim.engines.values())
     # BlockStored events the router could not key (a parent it no longer knew): index drift
     record.extra["events_stored"] = sim.ingestor.stats.stored
     record.extra["events_unmapped"] = sim.ingestor.stats.unmapped
