@@ -19,7 +19,7 @@ from kvplane.router.blockkeys import adapter_root, block_keys, chain_keys, gener
 from kvplane.router.config import BackendRole, RouterConfig
 from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError
-from kvplane.router.index.base import PrefixMatches, ResidencyIndex
+from kvplane.router.index.base import PrefixMatches, ResidencyIndex, lookup_or_none
 from kvplane.router.policies import Decision, Policy, RoutingInput, make_policy, route
 from kvplane.router.policies.sticky import index_down
 from kvplane.router.pool import Pool
@@ -35,6 +35,16 @@ from kvplane.router.tokens import CachedPrefix, ChatFormatError, PromptTokenizer
 # sent it), so the prefix decided on must be most of the prompt.
 DEFER_TAIL_CHARS = 1024
 DEFER_MAX_TAIL_SHARE = 0.25
+# A prompt longer than this whose cached prefix is not most of it is first encoded only
+# PROBE_CHARS beyond that prefix; when no pod holds the blocks up to where that encode
+# ends, its rest cannot extend any pod's match (block keys chain) and is encoded after
+# forwarding, like a short tail. A long prompt's encode is then off the request's path.
+PROBE_PROMPT_CHARS = 32_768
+PROBE_CHARS = 16_384
+# Such a tail is deferred only while its estimated ids (the encoded part's characters per
+# id) times this stay within the context; a prompt nearer the limit is counted exactly.
+# An estimate that is still short leaves the refusal to the engine (the same 400).
+DEFER_ESTIMATE_MARGIN = 1.25
 
 log = logging.getLogger("kvplane.router")
 
@@ -219,13 +229,23 @@ class RoutingPipeline:
         if at_least >= self.config.model.max_model_len:  # refused before any encoding
             raise PromptTooLong(at_least, exact=False)
         prefix = tok.cached_prefix(text, special)
+        unheld = False  # no pod holds the prefix's blocks to its end
+        if defer_tail and self._worth_probing(text, prefix):
+            prefix, unheld = await self._probe(text, special, prefix, root)
         if prefix is None:
             tokens, keys = await tok.call(len(text), self._new_and_keys, text, special, root)
             return Prompt(tokens, keys, len(tokens))
-        fits = len(prefix.ids) + prefix.max_tail_ids < self.config.model.max_model_len
+        limit = self.config.model.max_model_len
         keys = self._prefix_keys(prefix, root)
         tail = len(prefix.tail)
-        if defer_tail and fits and DEFER_TAIL_CHARS < tail <= DEFER_MAX_TAIL_SHARE * len(text):
+        if unheld:
+            estimate = len(prefix.ids) + prefix.tail_estimate * DEFER_ESTIMATE_MARGIN
+            defer = estimate < limit
+        else:
+            fits = len(prefix.ids) + prefix.max_tail_ids < limit
+            short = DEFER_TAIL_CHARS < tail <= DEFER_MAX_TAIL_SHARE * len(text)
+            defer = defer_tail and fits and short
+        if defer:
 
             def complete() -> Awaitable[tuple[list[int], list[int]]]:
                 return tok.run(self._complete_and_keys, prefix, keys, root)
@@ -233,6 +253,37 @@ class RoutingPipeline:
             return Prompt(prefix.ids, keys, len(prefix.ids) + prefix.tail_estimate, complete)
         tokens, keys = await tok.call(tail, self._complete_and_keys, prefix, keys, root)
         return Prompt(tokens, keys, len(tokens))
+
+    def _worth_probing(self, text: str, prefix: CachedPrefix | None) -> bool:
+        """A long prompt whose cached prefix (if any) leaves more than a short tail."""
+        if len(text) <= PROBE_PROMPT_CHARS or not self.tokenizer.reuse_enabled:
+            return False
+        return prefix is None or len(prefix.tail) > DEFER_MAX_TAIL_SHARE * len(text)
+
+    async def _probe(
+        self, text: str, special: bool, prefix: CachedPrefix | None, root: int
+    ) -> tuple[CachedPrefix | None, bool]:
+        """Encode ``PROBE_CHARS`` of ``text`` beyond its cached prefix (the piece joins
+        the reuse cache, which then gives the exact ids of ``text`` up to a segment
+        boundary in it) and ask the index whether any pod holds those blocks to their
+        end. Returns the longer prefix and True when none does (an index that cannot
+        answer counts as one that might)."""
+        tok = self.tokenizer
+        start = prefix.cut if prefix is not None else 0
+        piece = text[: start + PROBE_CHARS]
+        await tok.call(PROBE_CHARS, tok.encode, piece, special)
+        longer = tok.cached_prefix(text, special)
+        if longer is None or (prefix is not None and longer.cut <= prefix.cut):
+            return prefix, False
+        keys = self._prefix_keys(longer, root)
+        if not keys:
+            return longer, False
+        pods = self.pool.healthy()
+        matches = await lookup_or_none(self.index, keys, pods)
+        if matches is None:
+            return longer, False
+        held = max((n for tiers in matches.values() for n in tiers.values()), default=0)
+        return longer, held < len(keys)
 
     async def prompt(self, req: ParsedRequest, defer_tail: bool = False) -> Prompt:
         """The request's tokens and block keys; a prompt the model cannot take is a 400."""

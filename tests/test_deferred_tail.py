@@ -23,7 +23,8 @@ from kvplane.router.app import build_router
 from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import RouterConfig
 from kvplane.router.errors import APIError
-from kvplane.router.pipeline import DEFER_TAIL_CHARS
+from kvplane.router.index.base import Blocks
+from kvplane.router.pipeline import DEFER_TAIL_CHARS, PROBE_CHARS, PROBE_PROMPT_CHARS
 from kvplane.router.request import parse_request
 from kvplane.router.tiers import Tier
 from kvplane.router.tokens import PromptTokenizer
@@ -152,6 +153,73 @@ async def test_a_deferred_tail_cannot_slip_past_the_context_limit(tokenizer_dir:
     with pytest.raises(APIError) as err:
         await pipe.prompt(parse_request(body(follow), "completions"), defer_tail=True)
     assert err.value.status == 400 and f"has {n_follow} input tokens" in err.value.message
+    router.tokenizer.close()
+
+
+def long_new_prompt(seed: int) -> str:
+    rng = random.Random(seed)
+    out = text(rng, 12_000)
+    assert len(out) > PROBE_PROMPT_CHARS + PROBE_CHARS
+    return out
+
+
+async def test_a_long_new_prompt_held_nowhere_is_encoded_only_as_far_as_the_probe(
+    tokenizer_dir: Path,
+) -> None:
+    """A long prompt with no cached prefix: a piece of it is encoded and looked up; no
+    pod holds those blocks, so its rest is encoded after forwarding, exactly."""
+    cfg = config(tokenizer_dir, [FakeEngine("e0", port=1)], 1 << 20)
+    router = build_router(cfg)
+    router.pool.set_backends(cfg.backends)
+    pipe = router.pipeline
+    full = router.tokenizer.hf.backend_tokenizer
+    follow = long_new_prompt(21)
+    ids = list(full.encode(follow, add_special_tokens=True).ids)
+    keys = block_keys(ids, BLOCK, pipe.root)
+
+    prompt = await pipe.prompt(parse_request(body(follow), "completions"), defer_tail=True)
+    assert prompt.partial and prompt.whole() is None
+    known = len(prompt.tokens)
+    assert list(prompt.tokens) == ids[:known] and 0 < known < len(ids) // 2
+    assert prompt.keys == keys[: known // BLOCK]
+    assert abs(prompt.n_tokens - len(ids)) < 0.25 * (len(ids) - known)
+    assert await prompt.rest() == (ids, keys)
+    # a caller that wants the whole prompt up front gets it (the cache now holds it all)
+    again = await pipe.prompt(parse_request(body(follow), "completions"))
+    assert not again.partial and (again.tokens, again.keys) == (ids, keys)
+    router.tokenizer.close()
+
+
+async def test_a_long_prompt_whose_probed_blocks_a_pod_holds_is_encoded_whole(
+    tokenizer_dir: Path,
+) -> None:
+    """A pod holds every block the probe keyed: the rest may be resident too (another
+    replica sent it, or this router's token cache let go of it), so the whole prompt is
+    encoded before the decision, as without the probe."""
+    cfg = config(tokenizer_dir, [FakeEngine("e0", port=1)], 1 << 20)
+    router = build_router(cfg)
+    router.pool.set_backends(cfg.backends)  # as the running router does: e0 is a candidate
+    pipe = router.pipeline
+    full = router.tokenizer.hf.backend_tokenizer
+    follow = long_new_prompt(22)
+    ids = list(full.encode(follow, add_special_tokens=True).ids)
+    keys = block_keys(ids, BLOCK, pipe.root)
+    await router.index.mark_tentative("e0", Blocks.of_prompt(keys), 600.0)
+    prompt = await pipe.prompt(parse_request(body(follow), "completions"), defer_tail=True)
+    assert not prompt.partial and (prompt.tokens, prompt.keys) == (ids, keys)
+    router.tokenizer.close()
+
+
+async def test_a_long_prompt_near_the_context_limit_is_counted_exactly(
+    tokenizer_dir: Path,
+) -> None:
+    full = PromptTokenizer(tokenizer_dir).hf.backend_tokenizer
+    follow = long_new_prompt(23)
+    n = len(full.encode(follow).ids)
+    router = build_router(config(tokenizer_dir, [FakeEngine("e0", port=1)], n - 1))
+    with pytest.raises(APIError) as err:
+        await router.pipeline.prompt(parse_request(body(follow), "completions"), defer_tail=True)
+    assert err.value.status == 400 and f"has {n} input tokens" in err.value.message
     router.tokenizer.close()
 
 
