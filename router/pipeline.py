@@ -230,7 +230,7 @@ class RoutingPipeline:
             raise PromptTooLong(at_least, exact=False)
         prefix = tok.cached_prefix(text, special)
         unheld = False  # no pod holds the prefix's blocks to its end
-        if defer_tail and self._worth_probing(text, prefix):
+        if defer_tail and self._worth_probing(text, special, prefix):
             prefix, unheld = await self._probe(text, special, prefix, root)
         if prefix is None:
             tokens, keys = await tok.call(len(text), self._new_and_keys, text, special, root)
@@ -254,9 +254,10 @@ class RoutingPipeline:
         tokens, keys = await tok.call(tail, self._complete_and_keys, prefix, keys, root)
         return Prompt(tokens, keys, len(tokens))
 
-    def _worth_probing(self, text: str, prefix: CachedPrefix | None) -> bool:
-        """A long prompt whose cached prefix (if any) leaves more than a short tail."""
-        if len(text) <= PROBE_PROMPT_CHARS or not self.tokenizer.reuse_enabled:
+    def _worth_probing(self, text: str, special: bool, prefix: CachedPrefix | None) -> bool:
+        """A long prompt whose cached prefix (if any) leaves more than a short tail, with
+        a tokenizer whose cache can give the probed piece's exact ids."""
+        if len(text) <= PROBE_PROMPT_CHARS or not self.tokenizer.can_reuse(special):
             return False
         return prefix is None or len(prefix.tail) > DEFER_MAX_TAIL_SHARE * len(text)
 

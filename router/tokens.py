@@ -202,6 +202,10 @@ class PromptTokenizer:
         """A lower bound on the ids of any text of ``chars`` characters (0 if unknown)."""
         return -(-chars // self.max_chars_per_id) if self.max_chars_per_id else 0
 
+    def can_reuse(self, add_special_tokens: bool) -> bool:
+        """Whether prompts encoded so are cached and their prefixes reused."""
+        return self.reuse_enabled and not (add_special_tokens and self._specials is None)
+
     def _cacheable(self, n_ids: int) -> bool:
         return self.max_prompt_ids is None or n_ids < self.max_prompt_ids
 
@@ -216,7 +220,7 @@ class PromptTokenizer:
     def cached_prefix(self, text: str, add_special_tokens: bool) -> CachedPrefix | None:
         """The exactly known leading ids of ``text`` from the reuse cache (None: no reusable
         prefix, or reuse is off). Nothing is encoded: the tail is left to ``complete``."""
-        if not self.reuse_enabled or (add_special_tokens and self._specials is None):
+        if not self.can_reuse(add_special_tokens):
             return None
         hashes = chunk_hashes(text)
         entry = self._cache.find(hashes) if hashes else None
@@ -258,7 +262,7 @@ class PromptTokenizer:
 
     def encode_new(self, text: str, add_special_tokens: bool) -> list[int]:
         """A full encode (GIL released) that feeds the reuse cache for later prompts."""
-        if not self.reuse_enabled or (add_special_tokens and self._specials is None):
+        if not self.can_reuse(add_special_tokens):
             enc = self._rust.encode_batch([text], add_special_tokens=add_special_tokens)[0]
             return list(enc.ids)
         enc = self._rust.encode_batch([text], add_special_tokens=False)[0]
