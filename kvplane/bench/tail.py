@@ -139,7 +139,12 @@ def tail(
         ttft = r.ttft_s or 0.0
         if ttft < cut:
             continue
-        i = index[round(r.arrival_s, 6)]
+        i = index.get(round(r.arrival_s, 6))
+        if i is None:
+            raise ValueError(
+                "results and workload do not match (an arrival the workload does not have: "
+                "give the run's --workload, --limit, --rate-scale and --shape)"
+            )
         cached = r.cached_tokens or 0
         oracle = fl.cached[i]
         own = model(r.prompt_tokens - cached, cached)
@@ -206,6 +211,12 @@ def markdown(rows: Sequence[TailRequest], title: str) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("results", nargs="+", help="per-request results (--save-requests files)")
     p.add_argument("--workload", default="mooncake")
+    p.add_argument(
+        "--shape",
+        default="",
+        help="the synthetic workload's size as the run was given it, e.g. "
+        "'long-doc-qa:documents=40,repeat_count=4' (kvplane bench routing --shape)",
+    )
     p.add_argument("--limit", type=int, default=1000)
     p.add_argument("--rate-scale", type=float, default=2.5)
     p.add_argument("--profile", default="h100-llama-3.1-8b")
@@ -215,11 +226,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from kvplane.bench.floor import floor_of, sim_model
+    from kvplane.bench.routing import shapes
     from kvplane.sim.des import profile_for
     from kvplane.workload.traces import build_workload
 
     wl = build_workload(
-        args.workload, trace=None, limit=args.limit, start=0, rate_scale=args.rate_scale
+        args.workload,
+        trace=None,
+        limit=args.limit,
+        start=0,
+        rate_scale=args.rate_scale,
+        shape=shapes(args).get(args.workload),
     )
     model = sim_model(profile_for(args.profile, args.block_size))
     fl = floor_of(wl, args.block_size, model)
