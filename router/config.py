@@ -170,6 +170,13 @@ class CostParams(_Strict):
         "of the fastest TTFT, so a short common head (a system prompt) does not pull every "
         "new conversation onto the pod that holds it (0: off; docs/router.md)",
     )
+    shared_head_share: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.5,
+        description="a prompt whose cached part ends where other prompts went on "
+        "differently (a shared head: a system prompt, not its own conversation) is a new "
+        "prefix while no pod holds this share of it: its own part, as long as the head "
+        "or longer, is what its follow-ups will reuse (0: off; docs/router.md)",
+    )
     load_cap: Annotated[float, Field(ge=1)] = Field(
         default=2.0,
         description="a pod with more than load_cap x the mean in-flight requests (+ slack) is "

@@ -23,7 +23,8 @@ from kvplane.router.cost import (
     pending_prefill_ms,
 )
 from kvplane.router.index.base import PrefixMatches
-from kvplane.router.policies.base import BasePolicy, Decision, RoutingInput
+from kvplane.router.policies.base import BasePolicy, Decision, PolicyContext, RoutingInput
+from kvplane.router.policies.branches import BranchPoints, after_shared_head, deepest_held
 from kvplane.router.policies.registry import register
 
 
@@ -72,11 +73,13 @@ def choose_by_cost(
     loads: Mapping[str, PodLoad],
     adapter: str | None = None,
     labels: Mapping[str, Mapping[str, str]] | None = None,
+    shared_head: bool = False,
 ) -> Decision:
     """Lowest score (predicted TTFT with recompute weighted) among pods under the load
     cap; near-ties go to the pod sent the least prefill work lately, exact ties to fewer
     in flight. ``labels``: the pods' node and zone labels, which place them for peer
-    pulls."""
+    pulls; ``shared_head``: what pods hold of the prompt ends where other prompts went
+    on differently (``BranchPoints``)."""
     params = model.params
     pods = list(loads)
     offers: dict[str, list[PeerOffer]] = {}
@@ -100,10 +103,12 @@ def choose_by_cost(
 
     ranked = sorted(eligible, key=rank_key) + sorted(set(pods) - set(eligible), key=rank_key)
     top_share = max(t.cached_tokens for t in terms.values()) / max(1, prompt_tokens)
-    if top_share < params.new_prefix_share:
-        # A new prefix: what it can reuse anywhere is a small head, and where its own KV
-        # goes decides where its follow-ups find it; spread it by recent prefill work
-        # among the pods that are about as fast, as for near-ties below.
+    new_share = params.shared_head_share if shared_head else 0.0
+    if top_share < max(params.new_prefix_share, new_share):
+        # A new prefix: what it can reuse anywhere is a small head (or a head other
+        # prompts share, no longer than its own part), and where its own KV goes decides
+        # where its follow-ups find it; spread it by recent prefill work among the pods
+        # that are about as fast, as for near-ties below.
         fastest = min(terms[p].ttft_ms for p in eligible)
         # a pod that holds the head saves at most that share of the prompt's prefill
         reach = fastest / (1.0 - top_share) * (1 + params.balance_band)
@@ -142,7 +147,21 @@ class CostPolicy(BasePolicy):
     name: ClassVar[str] = "cost"
     uses_index: ClassVar[bool] = True
 
+    def __init__(self, ctx: PolicyContext) -> None:
+        super().__init__(ctx)
+        self.branches = BranchPoints()
+
     def choose(self, inp: RoutingInput) -> Decision:
+        shared = False
+        if self.cost.params.shared_head_share > 0:
+            held = deepest_held(inp.matches)
+            shared = after_shared_head(self.branches, inp.keys, held)
         return choose_by_cost(
-            self.cost, inp.prompt_tokens, inp.matches or {}, inp.loads, inp.adapter, inp.labels
+            self.cost,
+            inp.prompt_tokens,
+            inp.matches or {},
+            inp.loads,
+            inp.adapter,
+            inp.labels,
+            shared_head=shared,
         )
