@@ -39,8 +39,9 @@ DEFER_MAX_TAIL_SHARE = 0.25
 # PROBE_CHARS beyond that prefix; when no pod holds the blocks up to where that encode
 # ends, its rest cannot extend any pod's match (block keys chain) and is encoded after
 # forwarding, like a short tail. A long prompt's encode is then off the request's path.
-# The probe must reach at least one block past what a pod may hold; any length that does
-# is exact, and a shorter one costs less (the piece's encode is on the path).
+# Any piece length is exact (a piece that ends inside what some pod holds only means the
+# whole prompt is encoded first); a shorter one costs less on the path while it still
+# reaches a block past the head many prompts share (a system prompt).
 PROBE_PROMPT_CHARS = 8_192
 PROBE_CHARS = 4_096
 # Such a tail is deferred only while its estimated ids (the encoded part's characters per
