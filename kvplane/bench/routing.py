@@ -511,6 +511,10 @@ BEST_DYNAMO = "@best-dynamo"
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    # the machine's load and the code's commit as the run starts (a run takes minutes,
+    # and a commit made meanwhile is not the code the routers started with)
+    args.machine_at_start = machine_info()
+    args.versions_at_start = versions(("kvplane", "vllm-router", "sglang-router", "transformers"))
     if args.quick:
         args.limit = min(args.limit, 40)
         args.engines = min(args.engines, 2)
@@ -754,8 +758,9 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
                 else {}
             ),
         },
-        "machine": machine_info(),
-        "versions": versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
+        "machine": getattr(args, "machine_at_start", None) or machine_info(),
+        "versions": getattr(args, "versions_at_start", None)
+        or versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
         "runs": runs,
     }
     if getattr(args, "floor_grid", None):
