@@ -4,9 +4,10 @@ A policy ranks the candidate pods of one request. It sees the prompt (its length
 tokens and block keys), each candidate's load, and (when it ``uses_index``) the
 residency index's answer; it returns a ``Decision`` naming the pod, the reason and the
 ranking that retries walk, so that response headers, the explain endpoint and the
-metrics all tell the same story. Policies are pure over that input (a round-robin
-counter is their only state); the live router and the discrete-event simulator call
-them through ``route`` alike.
+metrics all tell the same story. Policies are pure over that input but for two bounded
+pieces of state (a round-robin counter, and the cost policy's ``BranchPoints``: which
+cached heads other prompts continued differently); the live router and the
+discrete-event simulator call them through ``route`` alike.
 """
 
 from __future__ import annotations
