@@ -758,9 +758,8 @@ def _finish(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, A
                 else {}
             ),
         },
-        "machine": getattr(args, "machine_at_start", None) or machine_info(),
-        "versions": getattr(args, "versions_at_start", None)
-        or versions(("kvplane", "vllm-router", "sglang-router", "transformers")),
+        "machine": args.machine_at_start,
+        "versions": args.versions_at_start,
         "runs": runs,
     }
     if getattr(args, "floor_grid", None):

@@ -38,7 +38,7 @@ class BranchPoints:
                 self._next.popitem(last=False)
             return False
         self._next.move_to_end(head)
-        if seen == SHARED or seen != after:
+        if seen != after:  # another continuation, or already shared
             self._next[head] = SHARED
             return True
         return False
