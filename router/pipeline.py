@@ -19,7 +19,7 @@ from kvplane.router.blockkeys import adapter_root, block_keys, chain_keys, gener
 from kvplane.router.config import BackendRole, RouterConfig
 from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError
-from kvplane.router.index.base import PrefixMatches, ResidencyIndex, lookup_or_none
+from kvplane.router.index.base import PrefixMatches, ResidencyIndex, deepest_held, lookup_or_none
 from kvplane.router.policies import Decision, Policy, RoutingInput, make_policy, route
 from kvplane.router.policies.sticky import index_down
 from kvplane.router.pool import Pool
@@ -79,6 +79,9 @@ class Prompt:
     complete: Callable[[], Awaitable[Whole]] | None = None
     _rest: asyncio.Future[Whole] | None = None
     adapter: str | None = None  # the request's LoRA adapter: keys chain from its root
+    # the probe's index answer for exactly ``keys`` (a partial prompt): its decision
+    # takes it instead of asking again, once (a retry asks afresh)
+    probed: PrefixMatches | None = None
 
     @property
     def partial(self) -> bool:
@@ -232,14 +235,17 @@ class RoutingPipeline:
         if at_least >= self.config.model.max_model_len:  # refused before any encoding
             raise PromptTooLong(at_least, exact=False)
         prefix = tok.cached_prefix(text, special)
-        unheld = False  # no pod holds the prefix's blocks to its end
+        probed: PrefixMatches | None = None  # the index's answer for the prefix's keys
         if defer_tail and self._worth_probing(text, special, prefix):
-            prefix, unheld = await self._probe(text, special, prefix, root)
+            prefix, probed = await self._probe(text, special, prefix, root)
         if prefix is None:
             tokens, keys = await tok.call(len(text), self._new_and_keys, text, special, root)
             return Prompt(tokens, keys, len(tokens))
         limit = self.config.model.max_model_len
         keys = self._prefix_keys(prefix, root)
+        # no pod holds the probed blocks to their end (an index that cannot answer
+        # counts as one where some pod might)
+        unheld = probed is not None and deepest_held(probed) < len(keys)
         tail = len(prefix.tail)
         if unheld:
             estimate = len(prefix.ids) + prefix.tail_estimate * DEFER_ESTIMATE_MARGIN
@@ -253,7 +259,8 @@ class RoutingPipeline:
             def complete() -> Awaitable[tuple[list[int], list[int]]]:
                 return tok.run(self._complete_and_keys, prefix, keys, root)
 
-            return Prompt(prefix.ids, keys, len(prefix.ids) + prefix.tail_estimate, complete)
+            n_tokens = len(prefix.ids) + prefix.tail_estimate
+            return Prompt(prefix.ids, keys, n_tokens, complete, probed=probed)
         tokens, keys = await tok.call(tail, self._complete_and_keys, prefix, keys, root)
         return Prompt(tokens, keys, len(tokens))
 
@@ -266,28 +273,23 @@ class RoutingPipeline:
 
     async def _probe(
         self, text: str, special: bool, prefix: CachedPrefix | None, root: int
-    ) -> tuple[CachedPrefix | None, bool]:
+    ) -> tuple[CachedPrefix | None, PrefixMatches | None]:
         """Encode ``PROBE_CHARS`` of ``text`` beyond its cached prefix (the piece joins
         the reuse cache, which then gives the exact ids of ``text`` up to a segment
-        boundary in it) and ask the index whether any pod holds those blocks to their
-        end. Returns the longer prefix and True when none does (an index that cannot
-        answer counts as one that might)."""
+        boundary in it) and ask the index which pods hold those blocks. Returns the
+        longer prefix and the index's answer for its keys; None for the answer when it
+        gave no longer prefix or the index cannot answer."""
         tok = self.tokenizer
         start = prefix.cut if prefix is not None else 0
         piece = text[: start + PROBE_CHARS]
         await tok.call(PROBE_CHARS, tok.encode, piece, special)
         longer = tok.cached_prefix(text, special)
         if longer is None or (prefix is not None and longer.cut <= prefix.cut):
-            return prefix, False
+            return prefix, None
         keys = self._prefix_keys(longer, root)
         if not keys:
-            return longer, False
-        pods = self.pool.healthy()
-        matches = await lookup_or_none(self.index, keys, pods)
-        if matches is None:
-            return longer, False
-        held = max((n for tiers in matches.values() for n in tiers.values()), default=0)
-        return longer, held < len(keys)
+            return longer, None
+        return longer, await lookup_or_none(self.index, keys, self.pool.healthy())
 
     async def prompt(self, req: ParsedRequest, defer_tail: bool = False) -> Prompt:
         """The request's tokens and block keys; a prompt the model cannot take is a 400."""
@@ -383,8 +385,9 @@ class RoutingPipeline:
             labels=labels,
         )
         with tracing.span("kvplane.choose"):
+            known, prompt.probed = prompt.probed, None  # once: a retry asks afresh
             decision, matches = await route(
-                policy or self.policy, self.index, inp, self._index_down
+                policy or self.policy, self.index, inp, self._index_down, known
             )
             if tracing.on():
                 tracing.set_attributes(

@@ -6,8 +6,9 @@ from __future__ import annotations
 from kvplane.router.blockkeys import block_keys, generation_root
 from kvplane.router.config import CostParams
 from kvplane.router.cost import CostModel, PodLoad
+from kvplane.router.index.base import deepest_held
 from kvplane.router.policies.base import Policy, RoutingInput
-from kvplane.router.policies.branches import BranchPoints, after_shared_head, deepest_held
+from kvplane.router.policies.branches import BranchPoints, after_shared_head
 from kvplane.router.policies.registry import make_policy
 from kvplane.router.tiers import Tier
 

@@ -14,7 +14,7 @@ import gc
 import json
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -23,7 +23,8 @@ from kvplane.router.app import build_router
 from kvplane.router.blockkeys import block_keys
 from kvplane.router.config import RouterConfig
 from kvplane.router.errors import APIError
-from kvplane.router.index.base import Blocks
+from kvplane.router.index.base import Blocks, PrefixMatches, ResidencyIndex
+from kvplane.router.index.wrapper import IndexWrapper
 from kvplane.router.pipeline import DEFER_TAIL_CHARS, PROBE_CHARS, PROBE_PROMPT_CHARS
 from kvplane.router.request import parse_request
 from kvplane.router.tiers import Tier
@@ -188,6 +189,48 @@ async def test_a_long_new_prompt_held_nowhere_is_encoded_only_as_far_as_the_prob
     # a caller that wants the whole prompt up front gets it (the cache now holds it all)
     again = await pipe.prompt(parse_request(body(follow), "completions"))
     assert not again.partial and (again.tokens, again.keys) == (ids, keys)
+    router.tokenizer.close()
+
+
+class CountedLookups(IndexWrapper):
+    """Records the keys of every lookup (a spy on the real in-memory index)."""
+
+    def __init__(self, inner: ResidencyIndex) -> None:
+        super().__init__(inner)
+        self.asked: list[list[int]] = []
+
+    async def lookup(self, keys: Sequence[int], pods: Sequence[str]) -> PrefixMatches:
+        self.asked.append(list(keys))
+        return await self.inner.lookup(keys, pods)
+
+
+async def test_a_probed_prompt_is_decided_on_the_probes_answer_without_asking_again(
+    tokenizer_dir: Path,
+) -> None:
+    """The probe's lookup is of exactly the keys the decision needs: the decision takes
+    that answer (one lookup per request); a retry of the same prompt asks afresh."""
+    engines = [FakeEngine("e0", port=1), FakeEngine("e1", port=2)]
+    cfg = config(tokenizer_dir, engines, 1 << 20)
+    router = build_router(cfg)
+    router.pool.set_backends(cfg.backends)
+    pipe = router.pipeline
+    counted = pipe.index = CountedLookups(pipe.index)
+    full = router.tokenizer.hf.backend_tokenizer
+    follow = long_new_prompt(23)
+    ids = list(full.encode(follow, add_special_tokens=True).ids)
+    keys = block_keys(ids, BLOCK, pipe.root)
+    await router.index.mark_tentative("e1", Blocks.of_prompt(keys[:4]), 600.0)
+
+    routed = await pipe.route(parse_request(body(follow), "completions"), defer_tail=True)
+    assert routed.prompt.partial  # e1 holds 4 blocks, not the probed piece to its end
+    assert counted.asked == [routed.keys]
+    assert routed.decision.pod == "e1" and routed.matches is not None
+    assert routed.matches == await router.index.lookup(routed.keys, ["e0", "e1"])
+    assert routed.matches["e1"][Tier.HBM] == 4
+
+    again = await pipe.decide(routed.prompt, exclude=frozenset({"e1"}))
+    assert counted.asked == [routed.keys, routed.keys] and again.decision.pod == "e0"
+    await routed.prompt.rest()
     router.tokenizer.close()
 
 

@@ -57,6 +57,13 @@ class IndexUnavailable(Exception):
     """A lookup the index could not answer in time (``GuardedIndex``): route without it."""
 
 
+def deepest_held(matches: PrefixMatches | None) -> int:
+    """The most leading blocks of the prompt any pod holds, in any tier."""
+    if not matches:
+        return 0
+    return max((n for tiers in matches.values() for n in tiers.values()), default=0)
+
+
 async def lookup_or_none(
     index: "ResidencyIndex", keys: Sequence[int], pods: Sequence[str]
 ) -> PrefixMatches | None:

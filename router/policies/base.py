@@ -91,13 +91,21 @@ Fallback = Callable[[RoutingInput], Decision]
 
 
 async def route(
-    policy: Policy, index: ResidencyIndex, inp: RoutingInput, index_down: Fallback
+    policy: Policy,
+    index: ResidencyIndex,
+    inp: RoutingInput,
+    index_down: Fallback,
+    known: PrefixMatches | None = None,
 ) -> tuple[Decision, PrefixMatches | None]:
     """The decision for one request: the index's answer first if the policy uses it
-    (while the index cannot answer, ``index_down`` decides)."""
+    (while the index cannot answer, ``index_down`` decides). ``known``: the index's
+    answer for exactly ``inp.keys``, asked a moment before (the pipeline's probe)."""
     if not policy.uses_index:
         return policy.choose(inp), None
-    matches = await lookup_or_none(index, inp.keys, inp.pods)
+    if known is not None:
+        matches: PrefixMatches | None = {p: known[p] for p in inp.pods if p in known}
+    else:
+        matches = await lookup_or_none(index, inp.keys, inp.pods)
     if matches is None:
         return index_down(inp), None
     return policy.choose(replace(inp, matches=matches)), matches

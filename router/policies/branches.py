@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvplane.router.index.base import PrefixMatches
-
 SHARED = -1  # a head seen with two different next blocks (block keys are unsigned)
 
 
@@ -42,13 +40,6 @@ class BranchPoints:
             self._next[head] = SHARED
             return True
         return False
-
-
-def deepest_held(matches: PrefixMatches | None) -> int:
-    """The most leading blocks of the prompt any pod holds, in any tier."""
-    if not matches:
-        return 0
-    return max((n for tiers in matches.values() for n in tiers.values()), default=0)
 
 
 def after_shared_head(branches: BranchPoints, keys: Sequence[int], held: int) -> bool:

@@ -22,9 +22,9 @@ from kvplane.router.cost import (
     peer_offers,
     pending_prefill_ms,
 )
-from kvplane.router.index.base import PrefixMatches
+from kvplane.router.index.base import PrefixMatches, deepest_held
 from kvplane.router.policies.base import BasePolicy, Decision, PolicyContext, RoutingInput
-from kvplane.router.policies.branches import BranchPoints, after_shared_head, deepest_held
+from kvplane.router.policies.branches import BranchPoints, after_shared_head
 from kvplane.router.policies.registry import register
 
 
