@@ -163,6 +163,15 @@ class CostParams(_Strict):
         "with it saturated fleets queue more behind prefix holders (docs/router.md: the "
         "queue term)",
     )
+    pending_evicts_cached: bool = Field(
+        default=True,
+        description="a pod's HBM prefix of the prompt counts only as far as the room its "
+        "pending prefill leaves: what the router has sent there and not yet seen start "
+        "takes free blocks first, and the engine reuses free blocks, cached ones "
+        "included, least recently used first, a request's last blocks before its first; "
+        "what it takes of the prefix is recomputed or loaded from a slower tier "
+        "(docs/router.md: KV room)",
+    )
     new_prefix_share: Annotated[float, Field(ge=0, lt=1)] = Field(
         default=0.25,
         description="a prompt no pod holds this share of is a new prefix: it goes to the "

@@ -37,6 +37,7 @@ simulator share them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -141,6 +142,23 @@ def kv_pressure_ms(load: PodLoad, new_tokens: int, params: CostParams) -> float:
             return params.kv_overflow_penalty_ms
     full = load.kv_usage >= params.kv_pressure_threshold
     return params.kv_pressure_penalty_ms if full else 0.0
+
+
+def surviving_hbm_tokens(load: PodLoad, resident: int) -> int:
+    """How much of a ``resident`` HBM prefix is still there when a prompt queued behind
+    the pod's pending prefill starts: what the router has sent there and not yet seen
+    start allocates first, and it takes free blocks (the capacity less the usage as
+    scraped), cached ones included, least recently used first. The prefix counts as the
+    most recently freed (vLLM frees a request's blocks last ones first, so what is
+    taken of it is its end); as much of it as the free blocks cannot hold is held by a
+    running request and stays. A pod that does not report its capacity keeps it all."""
+    capacity, pending = load.kv_capacity_tokens, load.pending_prefill_tokens
+    if capacity <= 0 or pending <= 0 or resident <= 0:
+        return resident
+    free = max(0.0, capacity * (1.0 - load.kv_usage))
+    free_part = min(float(resident), free)
+    taken = min(free_part, max(0.0, pending - (free - free_part)))
+    return resident - math.ceil(taken)
 
 
 def queue_ms(load: PodLoad, params: CostParams, new_tokens: int = 0) -> float:
@@ -312,6 +330,10 @@ class CostModel:
         # The engine always computes the last prompt token, so at most n-1 are reusable.
         reusable = max(0, prompt_tokens - 1)
         resident = min(match.get(Tier.HBM, 0) * block_size, reusable)
+        if params.pending_evicts_cached:
+            kept = surviving_hbm_tokens(load, resident)
+            if kept < resident:  # whole blocks, from the prefix's first
+                resident = kept // block_size * block_size
 
         def recompute(covered: int) -> float:
             rest = prompt_tokens - covered

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from kvplane.router.config import CostParams
-from kvplane.router.cost import CostModel, PodLoad, kv_pressure_ms
+from kvplane.router.cost import CostModel, PodLoad, kv_pressure_ms, surviving_hbm_tokens
 from kvplane.router.engine_stats import parse_metrics
 from kvplane.router.policies.cost import choose_by_cost
 from kvplane.router.tiers import Tier
@@ -79,3 +79,43 @@ def test_a_long_prompt_goes_where_it_fits_and_a_resident_one_stays() -> None:
     d = choose_by_cost(M, 110_000, resident, loads)
     assert d.pod == "full"
     assert d.terms["full"].queue_ms == pytest.approx(3 * P.running_step_ms_per_request)
+
+
+def test_pending_prefill_takes_the_least_recently_used_free_blocks_first() -> None:
+    """A free cached prefix survives a pod's pending prefill only as far as the free
+    blocks older than it cover that prefill; the part no free block could hold is held
+    by a running request and stays."""
+    room = PodLoad(kv_usage=0.75, kv_capacity_tokens=400_000, pending_prefill_tokens=93_895)
+    # 100,000 free, the prefix the newest 68,608 of them: the pending prefill takes the
+    # 31,392 older ones, then 62,503 of the prefix, from its end
+    assert surviving_hbm_tokens(room, 68_608) == 68_608 - 62_503
+    idle = PodLoad(kv_usage=0.25, kv_capacity_tokens=400_000, pending_prefill_tokens=93_895)
+    assert surviving_hbm_tokens(idle, 68_608) == 68_608  # 300,000 free: older ones suffice
+    # 80,000 free and a 109,872-token prefix: 29,872 of it is held by a running request
+    held = PodLoad(kv_usage=0.8, kv_capacity_tokens=400_000)
+    assert surviving_hbm_tokens(held, 109_872) == 109_872  # nothing pending: all stays
+    behind = PodLoad(kv_usage=0.8, kv_capacity_tokens=400_000, pending_prefill_tokens=10_000)
+    assert surviving_hbm_tokens(behind, 109_872) == 99_872
+    flood = PodLoad(kv_usage=0.8, kv_capacity_tokens=400_000, pending_prefill_tokens=10**6)
+    assert surviving_hbm_tokens(flood, 109_872) == 29_872
+    assert surviving_hbm_tokens(PodLoad(pending_prefill_tokens=10**6), 5_000) == 5_000  # unsized
+
+
+def test_a_prefix_the_pending_prefill_will_evict_is_costed_as_recomputed() -> None:
+    """The tail request of the HBM-only Mooncake replay: its 68,608-token prefix sat on a
+    pod behind 93,895 pending tokens, which evicted it before the prompt ran."""
+    prompt, prefix_blocks = 69_491, 68_608 // 16
+    busy = PodLoad(
+        kv_usage=0.75,
+        kv_capacity_tokens=400_000,
+        pending_prefill_tokens=93_895,
+        pending_requests=2,
+        inflight=2,
+    )
+    terms = M.predict("e5", prompt, {Tier.HBM: prefix_blocks}, busy)
+    assert terms.cached_tokens == (68_608 - 62_503) // 16 * 16
+    blind = CostModel(P.model_copy(update={"pending_evicts_cached": False}), 16, 131_072)
+    assert blind.predict("e5", prompt, {Tier.HBM: prefix_blocks}, busy).cached_tokens == 68_608
+    # with a DRAM tier below, what HBM loses is loaded back from DRAM
+    tiered = M.predict("e5", prompt, {Tier.HBM: prefix_blocks, Tier.DRAM: prefix_blocks}, busy)
+    assert tiered.cached_tokens == 68_608 and tiered.loaded_from[Tier.DRAM] > 60_000
