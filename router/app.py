@@ -502,7 +502,10 @@ async def _at_home(
         request.method,
         f"{state.backend.url.rstrip('/')}/v1/responses/{response_id}{action}",
         params=request.query_params,
-        headers=router.header_policy.forward(request.scope["headers"], request_id),
+        headers={
+            **router.header_policy.forward(request.scope["headers"], request_id),
+            **state.backend.headers,
+        },
         content=await request.body(),
     )
     try:

@@ -6,9 +6,10 @@ kvplane operator's ConfigMap) can calibrate a fleet without a code change.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Final
 
 import yaml
 from kvplane.router.tiers import TIERS, Tier
@@ -76,6 +77,35 @@ class Backend(_Strict):
     bootstrap_port: Annotated[int, Field(gt=0, lt=65536)] | None = Field(
         default=None, description="a prefill pod's bootstrap server; default pd.bootstrap_port"
     )
+    headers: dict[str, str] = Field(
+        default_factory=dict,
+        description="request headers the router adds to everything it sends this backend; "
+        "clients cannot send these names. For engines behind one shared endpoint that "
+        "picks the engine by a header, e.g. Dynamo's frontend in --router-mode direct "
+        "(x-worker-instance-id: <instance id>)",
+    )
+
+    @field_validator("headers")
+    @classmethod
+    def _wire_safe(cls, headers: dict[str, str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for name, value in headers.items():
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(f"not a header field name: {name!r}")
+            if any(c in value for c in "\r\n\0"):
+                raise ValueError(f"header {name} has a line break or NUL in its value")
+            if name.lower() in RESERVED_BACKEND_HEADERS:
+                raise ValueError(f"header {name} is the router's to set")
+            out[name.lower()] = value.strip()
+        return out
+
+
+# RFC 9110 5.6.2 token
+_TOKEN: Final = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# set by the router or the connection; a backend's own headers may not replace them
+RESERVED_BACKEND_HEADERS: Final = frozenset(
+    {"host", "content-length", "transfer-encoding", "connection", "x-request-id"}
+)
 
 
 class KubernetesDiscoverySpec(_Strict):
@@ -546,6 +576,13 @@ class RouterConfig(_Strict):
         names = [b.name for b in self.backends]
         if len(names) != len(set(names)):
             raise ValueError(f"backend names must be unique: {names}")
+        targets = [(b.url.rstrip("/"), sorted(b.headers.items())) for b in self.backends]
+        for i, t in enumerate(targets):
+            if t in targets[:i]:
+                raise ValueError(
+                    f"backend {self.backends[i].name} is another backend again (same url, "
+                    "same headers): engines sharing a url must differ by their headers"
+                )
         if self.pd is None and any(b.role is BackendRole.PREFILL for b in self.backends):
             raise ValueError("backends with role 'prefill' need a 'pd' section")
         return self

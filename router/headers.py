@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from kvplane.router.config import RouterConfig
+from kvplane.router.config import Backend, RouterConfig
 
 # Request headers that describe one connection, not the request (RFC 9110 7.6.1),
 # plus the ones the sending client sets itself. ``accept-encoding`` is dropped so that
@@ -57,7 +57,10 @@ class HeaderPolicy:
         kept = {b"authorization"} if auth.forward_authorization else set()
         if auth.forward_cookie:
             kept.add(b"cookie")
-        return cls(HOP_BY_HOP | (CREDENTIALS - kept), server.max_headers, server.max_header_bytes)
+        # the backends' own headers are the router's to send: a client's are dropped
+        owned = {name.encode("latin-1") for b in config.backends for name in b.headers}
+        drop = HOP_BY_HOP | (CREDENTIALS - kept) | owned
+        return cls(drop, server.max_headers, server.max_header_bytes)
 
     def too_large(self, count: int, head_bytes: int) -> str | None:
         """Why a request head is refused (431), or None."""
@@ -90,3 +93,11 @@ class HeaderPolicy:
                 out.setdefault(name.decode("latin-1"), value.decode("latin-1"))
         out["x-request-id"] = request_id
         return out
+
+
+def backend_lines(backend: Backend) -> bytes:
+    """The backend's own headers (``Backend.headers``) as wire lines."""
+    return b"".join(
+        b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1"))
+        for name, value in backend.headers.items()
+    )

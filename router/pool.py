@@ -194,10 +194,15 @@ class Scraper:
         slow = False
         why = ""
         try:
-            health = await self._client.get(f"{url}/health", timeout=timeout)
+            own = state.backend.headers
+            health = await self._client.get(f"{url}/health", headers=own, timeout=timeout)
             ok = health.status_code == 200
             why = f"/health answered {health.status_code}"
-            metrics = await self._client.get(f"{url}/metrics", timeout=timeout) if ok else None
+            metrics = (
+                await self._client.get(f"{url}/metrics", headers=own, timeout=timeout)
+                if ok
+                else None
+            )
         except httpx.TimeoutException:
             ok, metrics, slow = True, None, True
         except httpx.HTTPError as exc:

@@ -51,6 +51,7 @@ from kvplane.router.forwarder import (
     ResponseBroken,
     UpstreamResponse,
 )
+from kvplane.router.headers import backend_lines
 from kvplane.router.load import Attempt
 from kvplane.router.pool import BackendState, Pool
 from kvplane.router.telemetry import RouterMetrics
@@ -230,7 +231,8 @@ class Proxy:
             first_s = stall_s if d.stream else None
             attempt.begin()
             try:
-                post = self._fwd.post(state.backend.url, d.path, d.header_lines, d.body, first_s)
+                lines = d.header_lines + backend_lines(state.backend)
+                post = self._fwd.post(state.backend.url, d.path, lines, d.body, first_s)
                 resp = await (post if d.stream else _unless_still(post, state, stall_s))
             except BackendUnavailable as exc:
                 attempt.end()

@@ -152,9 +152,10 @@ def test_bench_routing_runs_dynamo_defaults_and_a_setting_with_floor_and_goodput
 
 
 def test_dynamo_frontend_and_kvplane_over_dynamos_mockers(tmp_path: Path) -> None:
-    """The mocker fleet: kvplane routes to a frontend per mocker and reads the mockers'
-    ZMQ events; Dynamo's real KV frontend routes over the same mockers, and names the
-    worker it chose; the floor comes from the mocker's own measured timing."""
+    """The mocker fleet: kvplane routes through Dynamo's direct-mode frontend (a header
+    names the mocker) and reads the mockers' ZMQ events; Dynamo's real KV frontend routes
+    over the same mockers, and names the worker it chose; the floor comes from the
+    mocker's own measured timing."""
     argv = ["--fleet", "dynamo-mocker", "--workloads", "multi-round-qa", "--quick"]
     argv += ["--shape", "multi-round-qa:users=4,rounds=4", "--limit", "16"]
     argv += ["--routers", "kvplane,dynamo-frontend", "--time-scale", "1", "--no-progress"]
@@ -171,6 +172,7 @@ def test_dynamo_frontend_and_kvplane_over_dynamos_mockers(tmp_path: Path) -> Non
         assert r["hit_ratio"] is not None and r["imbalance"] is not None
         assert r["floor_p90_ms"] > 0
     kv = next(r for r in doc["runs"] if r["router"] == "kvplane")
+    assert kv["frontend_cpu_s"] >= 0  # the direct frontend's share of kvplane's path
     assert kv["oracle_hit_ratio"] > 0.5
     assert kv["hit_ratio"] > 0.5  # kvplane's index learned from the mockers' events
 

@@ -12,7 +12,7 @@ Dynamo's KV router (``dynamo``, ``dynamo-<settings>``: kvplane.bench.peers.dynam
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +48,7 @@ class EngineEndpoint:
     url: str
     kv_events: str
     replay: str
+    headers: Mapping[str, str] = field(default_factory=dict)  # engines sharing one url
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +90,13 @@ def kvplane_config(
             "kv_bytes_per_token": model.kv_bytes_per_token,
         },
         "backends": [
-            {"name": e.name, "url": e.url, "kv_events": e.kv_events, "replay": e.replay}
+            {
+                "name": e.name,
+                "url": e.url,
+                "kv_events": e.kv_events,
+                "replay": e.replay,
+                **({"headers": dict(e.headers)} if e.headers else {}),
+            }
             for e in engines
         ],
         "policy": policy,
@@ -114,6 +121,11 @@ def launch_for(
 ) -> RouterLaunch:
     port = free_port()
     urls = [e.url for e in engines]
+    if any(e.headers for e in engines) and name not in KVPLANE_POLICIES:
+        raise SystemExit(
+            f"bench routing: {name} cannot route to engines that share a url and differ by "
+            "a header (the mocker fleet); only kvplane and Dynamo's frontend run there"
+        )
     if name in KVPLANE_POLICIES:
         cfg = rundir / f"{name}.yaml"
         cfg.write_text(yaml.safe_dump(kvplane_config(model, engines, KVPLANE_POLICIES[name])))

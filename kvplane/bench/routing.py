@@ -19,6 +19,7 @@ import datetime as _dt
 import itertools
 import json
 import logging
+import lzma
 import shlex
 import sys
 import tempfile
@@ -182,9 +183,17 @@ def mocker_spec(args: argparse.Namespace, facts: ModelFacts) -> dynamo_mocker.Mo
 
 
 def start_mocker_fleet(
-    args: argparse.Namespace, facts: ModelFacts, rundir: Path, *, pooled: bool
+    args: argparse.Namespace, facts: ModelFacts, rundir: Path, *, direct: bool
 ) -> dynamo_mocker.MockerFleet:
-    return dynamo_mocker.start_fleet(mocker_spec(args, facts), args.engines, rundir, pooled=pooled)
+    return dynamo_mocker.start_fleet(mocker_spec(args, facts), args.engines, rundir, direct=direct)
+
+
+def save_log(log: Path, stem: Path) -> None:
+    """The router's log of a row beside its saved requests (the next row's replaces it in
+    the run directory)."""
+    if log.exists() and log.stat().st_size:
+        with lzma.open(stem.with_name(stem.name + ".log.xz"), "wb") as out:
+            out.write(log.read_bytes())
 
 
 def run_one(
@@ -200,7 +209,7 @@ def run_one(
 ) -> RunOutput:
     mockers = args.fleet == "dynamo-mocker"
     fleet: Fleet | dynamo_mocker.MockerFleet = (
-        start_mocker_fleet(args, facts, rundir, pooled=dynamo.is_frontend_peer(router))
+        start_mocker_fleet(args, facts, rundir, direct=not dynamo.is_frontend_peer(router))
         if mockers
         else start_fleet(args, facts.tokenizer, rundir, facts.block_size)
     )
@@ -224,6 +233,10 @@ def run_one(
         # the probe cached a block somewhere: forget it so every router starts cold
         time.sleep(1.0)
         cpu0 = sum(cpu_seconds(pid) for pid in running.pids)
+        # the direct-mode frontend kvplane routes through on the mocker fleet
+        direct = fleet.direct if isinstance(fleet, dynamo_mocker.MockerFleet) else None
+        hop = [direct.popen.pid] if direct is not None else []
+        hop0 = sum(cpu_seconds(pid) for pid in hop)
         stats0 = fleet.stats() if isinstance(fleet, Fleet) else []
         bar = Progress(f"{workload.name} x{load_factor:g} {router}", not args.no_progress)
         results, wall = asyncio.run(
@@ -239,6 +252,7 @@ def run_one(
             )
         )
         cpu = sum(cpu_seconds(pid) for pid in running.pids) - cpu0
+        hop_cpu = sum(cpu_seconds(pid) for pid in hop) - hop0
         stats1 = fleet.stats() if isinstance(fleet, Fleet) else []
     finally:
         running.stop()
@@ -268,6 +282,8 @@ def run_one(
     out["load_factor"] = load_factor
     out["fleet"] = args.fleet
     out["prefill_tokens_computed"] = sum(prefill.values())
+    if hop:
+        out["frontend_cpu_s"] = round(hop_cpu, 1)
     out.update({k: str(v) for k, v in running.notes.items()})
     if stats1:
         # requests each engine received, to compare with the pods the router named
@@ -561,6 +577,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if args.save_requests:
                         name = f"{args.fleet}-{args.profile}-{wname}-{router}-x{factor:g}"
                         save_results(Path(args.save_requests) / f"{name}.jsonl.xz", out.results)
+                        save_log(rundir / f"{router}.log", Path(args.save_requests) / name)
                     runs.append(_with_quantiles(out.record, out.results, factor))
                     _print_row(out.record)
     return _finish(args, runs)

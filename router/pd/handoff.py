@@ -505,7 +505,7 @@ class PDService:
                 r = await self.client.post(
                     url,
                     content=raw,
-                    headers=tracing.inject(headers),
+                    headers=tracing.inject({**headers, **state.backend.headers}),
                     timeout=self._prefill_timeout(),
                 )
         except httpx.TransportError as exc:
@@ -550,7 +550,10 @@ class PDService:
                 if tracing.on():
                     tracing.set_attributes(pod=pod)  # the span ends at its first byte
                 req = self.client.build_request(
-                    "POST", url, content=raw, headers=tracing.inject(headers)
+                    "POST",
+                    url,
+                    content=raw,
+                    headers=tracing.inject({**headers, **state.backend.headers}),
                 )
                 resp = await self.client.send(req, stream=True)
         except httpx.TransportError as exc:

@@ -4,17 +4,19 @@
 The mocker is Dynamo's vLLM-scheduler simulator with its own timing model (AISimulate's
 built-in polynomials); kvplane's results on it do not rest on kvplane's simulator. Every
 mocker is its own process and publishes vLLM-format ZMQ KV events (with a replay
-socket). Two layouts of the same mockers, one per side:
+socket). All mockers are one worker set (one Dynamo namespace); each side reaches them
+through one real ``dynamo.frontend`` (its Rust tokenizer and TCP request plane
+included), so both sides pay the same hop:
 
-- for kvplane (``pooled=False``): each mocker in its own Dynamo namespace with a
-  ``dynamo.frontend --namespace <ns>`` (round-robin over that one worker), which gives
-  every engine an OpenAI endpoint of its own for kvplane to route to; kvplane's indexer
-  reads the mockers' ZMQ events;
-- for Dynamo (``pooled=True``): every mocker in one namespace, one worker set, behind the
-  real ``dynamo.frontend --router-mode kv --namespace <ns>`` (its Rust tokenizer
-  included). A frontend treats each namespace as a separate worker set with its own KV
-  router, so mockers in separate namespaces would not be one KV-routed pool. The
-  frontend names the worker it chose when asked (``nvext.extra_fields: ["worker_id"]``).
+- for Dynamo: ``dynamo.frontend --router-mode kv``, Dynamo's KV router, which names the
+  worker it chose when asked (``nvext.extra_fields: ["worker_id"]``);
+- for kvplane: ``dynamo.frontend --router-mode direct``, which sends each request to
+  the worker its ``x-worker-instance-id`` header names. kvplane's router is told of
+  every mocker as a backend at that one url with its own header
+  (``Backend.headers``), and its indexer reads the mockers' ZMQ events.
+
+A mocker's instance id is found from its request-plane port (``DYN_TCP_RPC_PORT``, set
+per mocker), which the frontend's ``/health`` lists with the id.
 
 Discovery is a file store private to the run (``DYN_FILE_KV``), with ZMQ event and TCP
 request planes: no etcd, no NATS.
@@ -127,25 +129,17 @@ def frontend_argv(port: int, namespace: str | None, router_mode: str) -> list[st
     return argv
 
 
-def generate_instances(port: int) -> dict[str, int]:
-    """Namespace -> instance id of every ``generate`` endpoint a frontend sees."""
+def instance_ids(port: int) -> dict[int, int]:
+    """Request-plane port -> instance id of every ``generate`` endpoint a frontend sees."""
     status, body = _http("GET", f"http://{HOST}:{port}/health")
     if status != 200:
         return {}
-    out: dict[str, int] = {}
+    out: dict[int, int] = {}
     for inst in json.loads(body).get("instances", []):
-        if inst.get("endpoint") == "generate":
-            out[str(inst["namespace"])] = int(inst["instance_id"])
+        address = str(inst.get("transport", {}).get("tcp", ""))  # host:port/...
+        if inst.get("endpoint") == "generate" and address:
+            out[int(address.split("/", 1)[0].rsplit(":", 1)[1])] = int(inst["instance_id"])
     return out
-
-
-def pooled_instances(port: int) -> list[int]:
-    """Instance ids of every ``generate`` endpoint a frontend sees."""
-    status, body = _http("GET", f"http://{HOST}:{port}/health")
-    if status != 200:
-        return []
-    insts = json.loads(body).get("instances", [])
-    return [int(i["instance_id"]) for i in insts if i.get("endpoint") == "generate"]
 
 
 def _models_ready(port: int, model: str) -> bool:
@@ -153,27 +147,35 @@ def _models_ready(port: int, model: str) -> bool:
     return status == 200 and model.encode() in body
 
 
+# the header Dynamo's frontend in --router-mode direct picks the worker by
+WORKER_HEADER: Final = "x-worker-instance-id"
+
+
 @dataclass
 class MockerFleet:
-    """N mockers, each behind its own frontend; ``engines`` as kvplane routes to them."""
+    """N mockers in one namespace; ``endpoints`` as kvplane routes to them (behind a
+    direct-mode frontend, when started with one)."""
 
     spec: MockerSpec
     rundir: Path
     names: list[str]
-    namespaces: list[str]
-    urls: list[str]
+    namespace: str
     kv_events: list[str]
     replays: list[str]
-    pooled: bool = False  # every mocker in namespaces[0], for Dynamo's frontend
+    rpc_ports: list[int]
     procs: list[Proc] = field(default_factory=list)
     worker_names: dict[int, str] = field(default_factory=dict)  # Dynamo instance id -> name
+    direct: Proc | None = None  # the direct-mode frontend kvplane routes through
+    direct_url: str = ""
 
     @property
     def endpoints(self) -> list[EngineEndpoint]:
-        """Each mocker as kvplane's router is told of it: its frontend and its events."""
+        """Each mocker as kvplane's router is told of it: the direct frontend's url with
+        the mocker's instance id, and the mocker's events."""
+        ids = {name: str(wid) for wid, name in self.worker_names.items()}
         return [
-            EngineEndpoint(n, u, k, r)
-            for n, u, k, r in zip(self.names, self.urls, self.kv_events, self.replays, strict=True)
+            EngineEndpoint(n, self.direct_url, k, r, {WORKER_HEADER: ids[n]} if n in ids else {})
+            for n, k, r in zip(self.names, self.kv_events, self.replays, strict=True)
         ]
 
     @property
@@ -181,40 +183,53 @@ class MockerFleet:
         return {"DYN_FILE_KV": str(self.rundir / "dynamo-discovery")}
 
     def stop(self) -> None:
+        if self.direct is not None:
+            self.direct.stop()
         for p in reversed(self.procs):
             p.stop()
 
     def tail(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.tail()}" for p in self.procs if not p.alive())
+        procs = [*self.procs, *([self.direct] if self.direct else [])]
+        return "\n".join(f"--- {p.name}\n{p.tail()}" for p in procs if not p.alive())
 
-    def start_frontend(self, router: str, timeout: float = 120.0) -> RunningPeer:
-        """The real ``dynamo.frontend --router-mode kv`` over the pooled mockers, with
-        ``router``'s settings; ready once it sees every mocker. Names the mockers by
-        their Dynamo instance ids, in order."""
-        if not self.pooled:
-            raise ValueError("Dynamo's frontend needs the pooled layout")
-        setting = DynamoSetting.parse(router, FRONTEND_PREFIX)
+    def _serve(self, name: str, mode: str, env: dict[str, str], timeout: float) -> RunningPeer:
+        """A frontend over every mocker, ready once it sees them all; names the mockers
+        by their instance ids."""
         (port,) = free_ports(1)
-        env = dynamo_env({**self.env, **setting.env(self.spec.time_scale)})
-        argv = frontend_argv(port, self.namespaces[0], "kv")
-        proc = spawn(router, argv, self.rundir, env)
+        proc = spawn(name, frontend_argv(port, self.namespace, mode), self.rundir, env)
         deadline = time.monotonic() + timeout
-        while len(ids := pooled_instances(port)) < len(self.names) or not _models_ready(
+        while len(ids := instance_ids(port)) < len(self.names) or not _models_ready(
             port, self.spec.model
         ):
             if not proc.alive() or time.monotonic() > deadline:
                 proc.stop()
-                raise RuntimeError(f"dynamo.frontend (kv) did not see the fleet:\n{proc.tail()}")
+                dead = self.tail()
+                raise RuntimeError(
+                    f"dynamo.frontend ({mode}) did not see the fleet:\n{proc.tail()}\n{dead}"
+                )
             time.sleep(0.5)
-        self.worker_names = {wid: self.names[i] for i, wid in enumerate(sorted(ids))}
-        return RunningPeer(router, port, [proc], {"dynamo settings": setting.describe()})
+        self.worker_names = {ids[p]: n for p, n in zip(self.rpc_ports, self.names, strict=True)}
+        return RunningPeer(name, port, [proc])
+
+    def start_frontend(self, router: str, timeout: float = 120.0) -> RunningPeer:
+        """The real ``dynamo.frontend --router-mode kv`` over the mockers, with
+        ``router``'s settings."""
+        setting = DynamoSetting.parse(router, FRONTEND_PREFIX)
+        env = dynamo_env({**self.env, **setting.env(self.spec.time_scale)})
+        peer = self._serve(router, "kv", env, timeout)
+        peer.notes["dynamo settings"] = setting.describe()
+        return peer
+
+    def start_direct(self, timeout: float = 120.0) -> None:
+        """``dynamo.frontend --router-mode direct`` for kvplane to route through."""
+        peer = self._serve("frontend-direct", "direct", dynamo_env(self.env), timeout)
+        self.direct = peer.procs[0]
+        self.direct_url = f"http://{HOST}:{peer.port}"
 
 
-def start_fleet(
-    spec: MockerSpec, engines: int, rundir: Path, *, pooled: bool, timeout: float = 180.0
-) -> MockerFleet:
-    """Start ``engines`` mockers: with a frontend each (``pooled=False``), waiting until
-    every frontend serves its mocker; or in one namespace for Dynamo's frontend."""
+def start_fleet(spec: MockerSpec, engines: int, rundir: Path, *, direct: bool) -> MockerFleet:
+    """Start ``engines`` mockers in one namespace; with ``direct``, also the direct-mode
+    frontend kvplane routes through (waiting until it sees every mocker)."""
     mdir = model_dir(spec, rundir / "dynamo-model")
     ports = free_ports(3 * engines)
     run = f"kvp{time.monotonic_ns() % 10**8}"
@@ -222,30 +237,18 @@ def start_fleet(
         spec=spec,
         rundir=rundir,
         names=[f"m{i}" for i in range(engines)],
-        namespaces=[f"{run}-pool" if pooled else f"{run}-m{i}" for i in range(engines)],
-        urls=[f"http://{HOST}:{ports[3 * i]}" for i in range(engines)],
-        kv_events=[f"tcp://{HOST}:{ports[3 * i + 1]}" for i in range(engines)],
-        replays=[f"tcp://{HOST}:{ports[3 * i + 2]}" for i in range(engines)],
-        pooled=pooled,
+        namespace=f"{run}-pool",
+        kv_events=[f"tcp://{HOST}:{ports[3 * i]}" for i in range(engines)],
+        replays=[f"tcp://{HOST}:{ports[3 * i + 1]}" for i in range(engines)],
+        rpc_ports=[ports[3 * i + 2] for i in range(engines)],
     )
-    env = dynamo_env(fleet.env)
     try:
-        for i, ns in enumerate(fleet.namespaces):
-            argv = mocker_argv(spec, mdir, ns, ports[3 * i + 1], ports[3 * i + 2])
+        for i in range(engines):
+            env = dynamo_env({**fleet.env, "DYN_TCP_RPC_PORT": str(fleet.rpc_ports[i])})
+            argv = mocker_argv(spec, mdir, fleet.namespace, ports[3 * i], ports[3 * i + 1])
             fleet.procs.append(spawn(f"mocker-{i}", argv, rundir, env))
-        if pooled:
-            return fleet
-        for i, ns in enumerate(fleet.namespaces):
-            argv = frontend_argv(ports[3 * i], ns, "round-robin")
-            fleet.procs.append(spawn(f"frontend-{i}", argv, rundir, env))
-        deadline = time.monotonic() + timeout
-        for i, ns in enumerate(fleet.namespaces):
-            port = ports[3 * i]
-            while not (_models_ready(port, spec.model) and ns in generate_instances(port)):
-                dead = [p for p in fleet.procs if not p.alive()]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"the mocker fleet did not start:\n{fleet.tail()}")
-                time.sleep(0.5)
+        if direct:
+            fleet.start_direct()
     except BaseException:
         fleet.stop()
         raise
@@ -277,11 +280,11 @@ def calibrate(spec: MockerSpec, rundir: Path, text: Callable[[int, int], str]) -
     fresh mocker at the benchmark's time scale: the floor's timing model for the mocker
     fleet. ``text(seed, n)`` is a prompt of exactly ``n`` tokens (BOS included) whose
     first ``m`` tokens are those of ``text(seed, m)``."""
-    fleet = start_fleet(spec, 1, rundir / "calibration", pooled=False)
-    url = fleet.urls[0]
+    fleet = start_fleet(spec, 1, rundir / "calibration", direct=True)
+    url = fleet.direct_url
     rows: list[list[float]] = [[0.0] * len(CALIBRATION_CACHED) for _ in CALIBRATION_NEW]
     try:
-        with httpx.Client(timeout=600.0) as client:
+        with httpx.Client(timeout=600.0, headers=fleet.endpoints[0].headers) as client:
             seed = 0
             for j, cached in enumerate(CALIBRATION_CACHED):
                 for i, new in enumerate(CALIBRATION_NEW):
