@@ -197,7 +197,9 @@ def build_router(
     )
     index = index or make_index(config, generation)
     pool = Pool(config.demote_first_s, config.demote_max_s)
-    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=200)
+    # as many kept alive as open: httpcore 1.0.9 counts every connection against the
+    # keep-alive cap and closes connections it has assigned to waiting requests
+    limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
     timeout = httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s)
     client = httpx.AsyncClient(limits=limits, timeout=timeout)
     timeout_s = config.index.lookup_timeout_ms / 1000

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from kvplane.bench.peers import BACKEND_HEADER, OVERHEAD_HEADER, worker_of
+from kvplane.bench.pool_limits import client_limits, fd_budget
 from kvplane.workload.results import RequestResult
 from kvplane.workload.traces import TraceRequest
 
@@ -144,13 +145,12 @@ async def replay(
     *,
     time_scale: float,
     timeout_s: float = 600.0,
-    max_connections: int = 512,
     progress: Callable[[int, int], None] | None = None,
     options: ReplayOptions | None = None,
 ) -> tuple[list[RequestResult], float]:
     """Sends every item at its arrival time; returns results and the wall duration."""
     opts = options or ReplayOptions()
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=64)
+    limits = client_limits(len(items), fd_budget())
     done = 0
     results: list[RequestResult | None] = [None] * len(items)
     async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:

@@ -31,6 +31,7 @@ import httpx
 import psutil
 import yaml
 
+from kvplane.bench.pool_limits import client_limits, fd_budget
 from kvplane.bench.procs import (
     HOST,
     Proc,
@@ -198,7 +199,7 @@ async def drive(
     windows: list[Window] = []
     tally = _Tally()
     inflight: set[asyncio.Task[None]] = set()
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+    limits = client_limits(256, fd_budget())  # pool_limits.client_limits says why
 
     async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
 

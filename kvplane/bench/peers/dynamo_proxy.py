@@ -52,6 +52,7 @@ import msgspec
 import xxhash
 
 from kvplane.bench.peers import BACKEND_HEADER, OVERHEAD_HEADER
+from kvplane.bench.pool_limits import client_limits, fd_budget
 from kvplane.sim.httpd import HttpServer, Request, Response, StreamingResponse
 
 _encode = msgspec.json.Encoder().encode
@@ -152,7 +153,7 @@ class DynamoProxy:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.by_worker = {e.worker_id: e for e in cfg.engines}
-        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        limits = client_limits(1024, fd_budget())  # pool_limits.client_limits says why
         self.engines = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(None))
         self.selector = httpx.AsyncClient(
             base_url=cfg.selector, limits=limits, timeout=httpx.Timeout(60.0)
