@@ -2,7 +2,9 @@
 
 Requests leave at their trace arrival times (scaled to wall time by the fleet's
 ``time_scale``) whether or not earlier ones have finished, as production traffic
-does: a router that queues badly shows it in TTFT instead of slowing the load.
+does: a router that queues badly shows it in TTFT instead of slowing the load. The
+client's pool has a connection for every request (``pool_limits.client_limits``), so no
+request waits at the client.
 Each request streams; TTFT is the first content chunk, inter-token latency the
 mean gap between first and last token, cached tokens come from the final usage
 chunk. Times are converted back to simulated seconds, so figures read as H100s.
