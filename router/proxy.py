@@ -231,7 +231,9 @@ class Proxy:
             first_s = stall_s if d.stream else None
             attempt.begin()
             try:
-                lines = d.header_lines + backend_lines(state.backend)
+                lines = d.header_lines
+                if state.backend.headers:  # engines told apart by a header at one url
+                    lines += backend_lines(state.backend)
                 post = self._fwd.post(state.backend.url, d.path, lines, d.body, first_s)
                 resp = await (post if d.stream else _unless_still(post, state, stall_s))
             except BackendUnavailable as exc:

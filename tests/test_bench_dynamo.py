@@ -172,7 +172,7 @@ def test_dynamo_frontend_and_kvplane_over_dynamos_mockers(tmp_path: Path) -> Non
         assert r["hit_ratio"] is not None and r["imbalance"] is not None
         assert r["floor_p90_ms"] > 0
     kv = next(r for r in doc["runs"] if r["router"] == "kvplane")
-    assert kv["frontend_cpu_s"] >= 0  # the direct frontend's share of kvplane's path
+    assert kv["frontend_cpu_s"] > 0  # the direct frontend's share of kvplane's path
     assert kv["oracle_hit_ratio"] > 0.5
     assert kv["hit_ratio"] > 0.5  # kvplane's index learned from the mockers' events
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import resource
 
 import httpx
+
+from kvplane.router.serving import raise_fd_limit
 
 
 def client_limits(requests: int, budget: int) -> httpx.Limits:
@@ -20,10 +21,7 @@ def client_limits(requests: int, budget: int) -> httpx.Limits:
 
 def fd_budget() -> int:
     """Connections this process can hold: half its descriptor limit, raised to the hard
-    one first."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            soft = hard
+    one first (as the router's server does)."""
+    raise_fd_limit()
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     return 1 << 20 if soft == resource.RLIM_INFINITY else max(64, soft // 2)
