@@ -20,6 +20,7 @@ from kvplane.router.config import Backend
 from kvplane.router.cost import PodLoad
 from kvplane.router.engine_stats import EngineStats, parse_metrics
 from kvplane.router.errors import describe
+from kvplane.router.headers import backend_lines
 from kvplane.router.load import LoadCounters
 
 log = logging.getLogger("kvplane.router.pool")
@@ -43,6 +44,16 @@ class BackendState(LoadCounters):
     demotions: Backoff | None = None  # while demotions repeat without a good answer
     scraped_at: float = 0.0  # monotonic time of the last scrape that read /metrics
     progressed_at: float = 0.0  # ... of the last one whose progress figure had moved
+    # its own headers (Backend.headers) as wire lines, encoded once for the request path
+    header_lines: bytes = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.use(self.backend)
+
+    def use(self, backend: Backend) -> None:
+        """Serve ``backend`` (a reloaded config may change its url or headers)."""
+        self.backend = backend
+        self.header_lines = backend_lines(backend)
 
     def routable(self, now: float) -> bool:
         return self.healthy and self.demoted_until <= now
@@ -122,7 +133,7 @@ class Pool:
             del self.states[n]
         for n, b in new.items():
             if n in self.states:
-                self.states[n].backend = b
+                self.states[n].use(b)
             else:
                 self.states[n] = BackendState(b, clock=self.clock)
         return added, removed

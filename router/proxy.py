@@ -51,7 +51,6 @@ from kvplane.router.forwarder import (
     ResponseBroken,
     UpstreamResponse,
 )
-from kvplane.router.headers import backend_lines
 from kvplane.router.load import Attempt
 from kvplane.router.pool import BackendState, Pool
 from kvplane.router.telemetry import RouterMetrics
@@ -231,9 +230,7 @@ class Proxy:
             first_s = stall_s if d.stream else None
             attempt.begin()
             try:
-                lines = d.header_lines
-                if state.backend.headers:  # engines told apart by a header at one url
-                    lines += backend_lines(state.backend)
+                lines = d.header_lines + state.header_lines
                 post = self._fwd.post(state.backend.url, d.path, lines, d.body, first_s)
                 resp = await (post if d.stream else _unless_still(post, state, stall_s))
             except BackendUnavailable as exc:

