@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,30 @@ def test_tail_refuses_results_of_another_slice(saved: Path) -> None:
     other = [str(saved), "--workload", "long-doc-qa", "--limit", "12", "--rate-scale", "1"]
     with pytest.raises(ValueError, match="do not match"):
         tail.main([*other, "--shape", SHAPE])
+
+
+def test_tail_in_the_time_of_the_run_it_reads(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--run``: a mocker run's floor and own prefill come from the mocker's measured
+    grid recorded in that run's JSON, not from the simulator's profile."""
+
+    def ms(new: int, cached: int) -> float:  # linear: the grid's interpolation is exact
+        return 5.0 + 0.01 * new + 0.001 * cached
+
+    news, cacheds = (64, 1024, 4096), (0, 1024)
+    grid = {"new": news, "cached": cacheds, "ms": [[ms(n, c) for c in cacheds] for n in news]}
+    run = tmp_path / "routing-run.json"
+    setup = {"profile": "h100-llama-3.1-8b", "block size": 64, "fleet": "dynamo-mocker"}
+    run.write_text(json.dumps({"setup": setup, "mocker_floor_grid": grid}))
+    argv = [str(saved), *WORKLOAD, "--shape", SHAPE, "--percentile", "0"]
+    assert tail.main([*argv, "--run", str(run)]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert len(rows) == 12
+    for r in rows:
+        prompt, cached, oracle = int(r[1]), int(r[2]), int(r[3])
+        assert int(r[4]) == round(ms(prompt - oracle, oracle))  # floor
+        assert int(r[5]) == round(ms(prompt - cached, cached))  # own prefill
+    # without it, the same requests are read in the simulator's time
+    assert tail.main(argv) == 0
+    assert [r[4] for r in _rows(capsys.readouterr().out)] != [r[4] for r in rows]

@@ -95,6 +95,14 @@ class GridModel:
         (n0, n1), (t0, t1) = self.new[-2:], (self.ms[-2][0], self.ms[-1][0])
         return (n1 - n0) / max(t1 - t0, 1e-9) * 1000.0
 
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> GridModel:
+        return cls(
+            tuple(int(n) for n in doc["new"]),
+            tuple(int(c) for c in doc["cached"]),
+            tuple(tuple(float(v) for v in row) for row in doc["ms"]),
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "new": list(self.new),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import json
 import sys
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -222,14 +223,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="h100-llama-3.1-8b")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--percentile", type=float, default=99.0)
+    p.add_argument(
+        "--run",
+        type=Path,
+        default=None,
+        help="the run's results JSON (bench/results/routing-*.json): the floor and each "
+        "request's own prefill then come from that run's timing model (on --fleet "
+        "dynamo-mocker the mocker's measured grid), its profile and its block size",
+    )
+
+
+def timing_model(args: argparse.Namespace) -> tuple[PrefillModel, int]:
+    """The fleet's idle-engine timing model and block size: the run's own (``--run``)
+    where given, so that a mocker run is read in the mocker's time, else the simulator's
+    profile."""
+    from kvplane.bench.floor import GridModel, sim_model
+    from kvplane.sim.des import profile_for
+
+    profile, block_size = args.profile, args.block_size
+    if args.run is not None:
+        doc = json.loads(args.run.read_text())
+        setup = doc.get("setup", {})
+        profile = setup.get("profile", profile)
+        block_size = int(setup.get("block size", block_size))
+        if doc.get("mocker_floor_grid"):
+            return GridModel.from_json(doc["mocker_floor_grid"]), block_size
+    return sim_model(profile_for(profile, block_size)), block_size
 
 
 def run(args: argparse.Namespace) -> None:
-    from kvplane.bench.floor import floor_of, sim_model
+    from kvplane.bench.floor import floor_of
     from kvplane.bench.routing import shapes
-    from kvplane.sim.des import profile_for
     from kvplane.workload.traces import build_workload
 
+    model, block_size = timing_model(args)
     wl = build_workload(
         args.workload,
         trace=None,
@@ -238,10 +265,9 @@ def run(args: argparse.Namespace) -> None:
         rate_scale=args.rate_scale,
         shape=shapes(args).get(args.workload),
     )
-    model = sim_model(profile_for(args.profile, args.block_size))
-    fl = floor_of(wl, args.block_size, model)
+    fl = floor_of(wl, block_size, model)
     for path in args.results:
-        rows = tail(load_results(Path(path)), wl, fl, model, args.block_size, args.percentile)
+        rows = tail(load_results(Path(path)), wl, fl, model, block_size, args.percentile)
         print(markdown(rows, Path(path).name))
 
 
