@@ -20,7 +20,7 @@ import httpx
 from fastapi import FastAPI, Request
 from kvplane.router import runtime, tracing
 from kvplane.router.auth import ROLE_KEY, Disclosure, Gate, Role, disclose, disclosure
-from kvplane.router.config import RouterConfig
+from kvplane.router.config import RouterConfig, TokenForwarding
 from kvplane.router.discovery import Discovery, StaticDiscovery
 from kvplane.router.errors import APIError, describe
 from kvplane.router.forwarder import Forwarder
@@ -50,6 +50,7 @@ from kvplane.router.responses import (
 from kvplane.router.shared import SharedStores
 from kvplane.router.telemetry import RouterMetrics
 from kvplane.router.tiers import Tier
+from kvplane.router.token_forward import with_token_ids
 from kvplane.router.tokens import PromptTokenizer, tokenizer_fingerprint
 from kvplane.router.tracing import OFF, Tracing
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -174,7 +175,17 @@ class Router:
             return replace(routed, decision=replace(routed.decision, reason="previous_response"))
         if req.by_load:
             return await self.pipeline.route_by_load(req)
-        return await self.pipeline.route(req, defer_tail=True)
+        # backends that take the router's ids need them whole before the request goes
+        defer = self.config.forward_tokens is TokenForwarding.OFF
+        return await self.pipeline.route(req, defer_tail=defer)
+
+    def body_for(self, req: ParsedRequest, raw: bytes, routed: Routed) -> bytes:
+        """What to send the backends: the client's body, with the prompt's token ids
+        where the pool's backends take them (``forward_tokens``)."""
+        form = self.config.forward_tokens
+        if form is TokenForwarding.OFF or req.by_load or routed.prompt.partial:
+            return raw
+        return with_token_ids(form, req, raw, routed.prompt.tokens)
 
 
 def build_router(
@@ -320,7 +331,8 @@ def create_app(
                 lines = router.header_policy.lines(
                     tracing.headers(raw_headers), request_id.encode("latin-1")
                 )
-                dispatch = answer.dispatch(path.encode(), raw, lines, req.stream)
+                body = router.body_for(req, raw, routed)
+                dispatch = answer.dispatch(path.encode(), body, lines, req.stream)
                 if req.kind == "responses" and req.store and router.homes is not None:
                     tap = ResponseTap(router.homes, req.stream, answer.served)
                     dispatch = replace(dispatch, tap=tap)

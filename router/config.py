@@ -64,6 +64,14 @@ class BackendRole(StrEnum):
     DECODE = "decode"
 
 
+class TokenForwarding(StrEnum):
+    """How the pool's backends take the prompt's token ids the router computed
+    (kvplane.router.token_forward): not at all, or as Dynamo's frontend does."""
+
+    OFF = "off"
+    DYNAMO = "dynamo"
+
+
 class Backend(_Strict):
     name: str
     url: str
@@ -541,6 +549,12 @@ class RouterConfig(_Strict):
     )
     demote_max_s: Annotated[float, Field(gt=0)] = 60.0
     max_attempts: Annotated[int, Field(ge=1)] = 3
+    forward_tokens: TokenForwarding = Field(
+        default=TokenForwarding.OFF,
+        description="hand the backends the prompt's token ids so that they skip their own "
+        "chat template and encode: off, or dynamo (nvext.token_data, for backends that are "
+        "Dynamo frontends). On, a prompt is encoded whole before it is routed",
+    )
     pool: str = "default"
     pd: PDSpec | None = Field(
         default=None, description="prefill/decode disaggregation over backends' roles"

@@ -49,6 +49,7 @@ class EngineEndpoint:
     kv_events: str
     replay: str
     headers: Mapping[str, str] = field(default_factory=dict)  # engines sharing one url
+    token_ids: str = "off"  # how the url takes a prompt's ids (RouterConfig.forward_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +111,14 @@ def kvplane_config(
         "index": {"backend": "memory"},
         "auth": {"route_headers": True},  # the replay counts requests per pod
         "scrape_interval_s": 0.5,
+        "forward_tokens": _token_ids(engines),
     }
+
+
+def _token_ids(engines: Sequence[EngineEndpoint]) -> str:
+    """Engines that all take the router's ids one way (Dynamo's frontend) are handed them."""
+    forms = {e.token_ids for e in engines}
+    return forms.pop() if len(forms) == 1 else "off"
 
 
 def launch_for(

@@ -1,0 +1,162 @@
+"""Handing backends the prompt's token ids (``forward_tokens``, kvplane.router.token_forward).
+
+The end-to-end test runs the real parts: two of Dynamo's mockers (Dynamo 1.6.1 from
+PyPI) behind one real direct-mode ``dynamo.frontend``, kvplane's router in front with
+``forward_tokens: dynamo``. It shows that the frontend serves the router's ids instead of
+rendering and encoding the prompt itself (a router told of another chat template is
+answered in that template's token count) and that, with the same template, the ids are
+the frontend's own: the same chat sent to the frontend directly, which encodes it
+itself, finds the router's request's blocks cached on the mocker."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+from kvplane.router.config import RouterConfig, TokenForwarding
+from kvplane.router.request import parse_request
+from kvplane.router.token_forward import forwardable, with_token_ids
+from support.router_server import chat_tokenizer_dir, serve_router
+
+from kvplane.bench.peers import dynamo_mocker
+from kvplane.bench.peers.dynamo import ensure_dynamo
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "sim-llama-3.1-8b"
+HEADER = dynamo_mocker.WORKER_HEADER
+DYNAMO = TokenForwarding.DYNAMO
+
+
+def _raw(body: dict[str, Any]) -> bytes:
+    return json.dumps(body).encode()
+
+
+def _sent(body: dict[str, Any], kind: str, tokens: list[int]) -> Any:
+    raw = _raw(body)
+    return msgspec.json.decode(with_token_ids(DYNAMO, parse_request(raw, kind), raw, tokens))
+
+
+def test_the_ids_go_in_nvext_beside_what_the_client_sent() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hé"}], "temperature": 0.5}
+    out = _sent(chat, "chat", [1, 2, 3])
+    assert out == {**chat, "nvext": {"token_data": [1, 2, 3]}}
+    # the client's own nvext fields stay; its token_data is replaced by the router's ids
+    asked = {**chat, "nvext": {"extra_fields": ["worker_id"], "token_data": [9]}}
+    out = _sent(asked, "chat", [1, 2, 3])
+    assert out["nvext"] == {"extra_fields": ["worker_id"], "token_data": [1, 2, 3]}
+    one = {"model": "m", "prompt": ["only one"], "max_tokens": 1}
+    assert _sent(one, "completions", [4, 5])["nvext"] == {"token_data": [4, 5]}
+
+
+def test_what_the_router_did_not_encode_from_text_goes_as_sent() -> None:
+    for body in (
+        {"model": "m", "prompt": ["a batch", "of two"]},  # routed by its first prompt only
+        {"model": "m", "prompt": [1, 2, 3]},  # ids already: nothing to spare the engine
+        {"model": "m", "prompt": "x", "nvext": "not an object"},  # the frontend's 400
+    ):
+        raw = _raw(body)
+        req = parse_request(raw, "completions")
+        assert with_token_ids(DYNAMO, req, raw, [7]) is raw
+    raw = _raw({"model": "m", "input": "x"})
+    assert not forwardable(parse_request(raw, "embeddings"))
+    chat = _raw({"model": "m", "messages": [{"role": "user", "content": "x"}]})
+    assert with_token_ids(TokenForwarding.OFF, parse_request(chat, "chat"), chat, [7]) is chat
+
+
+def _config(backends: list[dict[str, object]], tok: Path, template: str | None) -> RouterConfig:
+    return RouterConfig.model_validate(
+        {
+            "model": {
+                "name": MODEL,
+                "tokenizer": str(tok),
+                "block_size": 64,
+                "chat_template": template,
+            },
+            "backends": backends,
+            "forward_tokens": "dynamo",
+            "auth": {"route_headers": True},
+        }
+    )
+
+
+def _usage(r: httpx.Response) -> tuple[int, int]:
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    return usage["prompt_tokens"], (usage.get("prompt_tokens_details") or {})["cached_tokens"]
+
+
+def test_dynamos_frontend_serves_the_routers_ids(tmp_path: Path) -> None:
+    ensure_dynamo()
+    tok = chat_tokenizer_dir(tmp_path / "tok")
+    spec = dynamo_mocker.MockerSpec(
+        model=MODEL,
+        tokenizer=tok,
+        block_size=64,
+        kv_blocks=2048,
+        max_num_batched_tokens=8192,
+        max_model_len=32768,
+        kv_bytes_per_token=131072,
+        time_scale=1.0,
+    )
+    fleet = dynamo_mocker.start_fleet(spec, 2, tmp_path, direct=True)
+    try:
+        backends: list[dict[str, object]] = [
+            {"name": e.name, "url": e.url, "headers": dict(e.headers)} for e in fleet.endpoints
+        ]
+        ids = {b["name"]: b["headers"] for b in backends}
+
+        def chat(text: str) -> dict[str, Any]:
+            return {
+                "model": MODEL,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 2,
+                "nvext": {"extra_fields": ["worker_id"]},
+            }
+
+        # the router's ids are what the engine computes: with another template than the
+        # frontend's, the prompt is as long as the router's rendering makes it
+        other = "{% for m in messages %}" + "[kvplane] " * 40 + "{{ m['content'] }}{% endfor %}"
+        body = chat("the same words " * 20)
+        direct = httpx.post(
+            f"{fleet.direct_url}/v1/chat/completions",
+            json=body,
+            headers=ids["m0"],  # type: ignore[arg-type]
+            timeout=60,
+        )
+        own, _ = _usage(direct)
+        with serve_router(_config(backends, tok, other)) as router:
+            r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
+            routed, _ = _usage(r)
+            expected = router.router.tokenizer.encode(
+                router.router.tokenizer.render_chat(*_chat_args(body)), False
+            )
+        assert routed == len(expected) and routed > own + 40 * 2, (routed, own)
+
+        # with the frontend's own template the ids are its own: the same chat sent to the
+        # frontend, which then encodes it itself, finds the router's blocks on that mocker
+        body = chat("a long shared document, read twice: " * 120)
+        with serve_router(_config(backends, tok, None)) as router:
+            r = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=60)
+            prompt, _ = _usage(r)
+            pod = r.headers["x-kvplane-pod"]
+        assert prompt > 4 * 64
+        again = httpx.post(
+            f"{fleet.direct_url}/v1/chat/completions",
+            json=body,
+            headers=ids[pod],  # type: ignore[arg-type]
+            timeout=60,
+        )
+        same, cached = _usage(again)
+        assert same == prompt and cached == prompt // 64 * 64, (prompt, cached)
+    finally:
+        fleet.stop()
+
+
+def _chat_args(body: dict[str, Any]) -> tuple[Any, Any]:
+    req = parse_request(_raw(body), "chat")
+    return req.messages, req.chat
