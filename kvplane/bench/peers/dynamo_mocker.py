@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import httpx
+import psutil
 
 from kvplane.bench.floor import GridModel
 from kvplane.bench.peers.dynamo import (
@@ -230,10 +231,35 @@ class MockerFleet:
         self.direct_url = f"http://{HOST}:{peer.port}"
 
 
+# A port picked free can be taken before the mocker binds it (another process's
+# outgoing connection): the fleet is started again on other ports, this many times.
+FLEET_ATTEMPTS: Final = 3
+_CLASH: Final = "Address already in use"
+
+
 def start_fleet(spec: MockerSpec, engines: int, rundir: Path, *, direct: bool) -> MockerFleet:
-    """Start ``engines`` mockers in one namespace; with ``direct``, also the direct-mode
-    frontend kvplane routes through (waiting until it sees every mocker)."""
+    """Start ``engines`` mockers in one namespace, each serving on its request-plane
+    port; with ``direct``, also the direct-mode frontend kvplane routes through (waiting
+    until it sees every mocker)."""
     mdir = model_dir(spec, rundir / "dynamo-model")
+    for attempt in range(1, FLEET_ATTEMPTS + 1):
+        fleet = _spawn_fleet(spec, engines, rundir, mdir)
+        try:
+            clash = _wait_bound(fleet, timeout=120.0)
+            if clash is None:
+                if direct:
+                    fleet.start_direct()
+                return fleet
+        except BaseException:
+            fleet.stop()
+            raise
+        fleet.stop()
+        if attempt == FLEET_ATTEMPTS:
+            raise RuntimeError(f"mockers could not bind their ports:\n{clash}")
+    raise AssertionError("unreachable")
+
+
+def _spawn_fleet(spec: MockerSpec, engines: int, rundir: Path, mdir: Path) -> MockerFleet:
     ports = free_ports(3 * engines)
     run = f"kvp{time.monotonic_ns() % 10**8}"
     fleet = MockerFleet(
@@ -250,12 +276,43 @@ def start_fleet(spec: MockerSpec, engines: int, rundir: Path, *, direct: bool) -
             env = dynamo_env({**fleet.env, "DYN_TCP_RPC_PORT": str(fleet.rpc_ports[i])})
             argv = mocker_argv(spec, mdir, fleet.namespace, ports[3 * i], ports[3 * i + 1])
             fleet.procs.append(spawn(f"mocker-{i}", argv, rundir, env))
-        if direct:
-            fleet.start_direct()
     except BaseException:
         fleet.stop()
         raise
     return fleet
+
+
+def _listens(proc: Proc, port: int) -> bool:
+    """Whether ``proc`` listens on ``port`` (the request plane binds the host's address,
+    not loopback, so a connection to HOST could not tell)."""
+    try:
+        conns = psutil.Process(proc.popen.pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in conns)
+
+
+def _wait_bound(fleet: MockerFleet, timeout: float) -> str | None:
+    """Waits until every mocker listens on its request-plane port (its
+    event and replay sockets are bound before it serves). Returns the log of a mocker
+    that found one of its ports taken (the fleet must start again elsewhere), None once
+    all serve; raises when one dies of anything else or the wait runs out."""
+    deadline = time.monotonic() + timeout
+    waiting = list(zip(fleet.procs, fleet.rpc_ports, strict=True))
+    while waiting:
+        for proc, port in list(waiting):
+            if _CLASH in proc.tail(200):
+                return f"--- {proc.name}\n{proc.tail()}"
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
+            if _listens(proc, port):
+                waiting.remove((proc, port))
+        if waiting and time.monotonic() > deadline:
+            names = ", ".join(p.name for p, _ in waiting)
+            raise RuntimeError(f"mockers not serving after {timeout:.0f} s: {names}")
+        if waiting:
+            time.sleep(0.2)
+    return None
 
 
 WORKER_ID_BODY: Final[dict[str, Any]] = {"nvext": {"extra_fields": ["worker_id"]}}
