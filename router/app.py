@@ -175,13 +175,12 @@ class Router:
             return replace(routed, decision=replace(routed.decision, reason="previous_response"))
         if req.by_load:
             return await self.pipeline.route_by_load(req)
-        # backends that take the router's ids need them whole before the request goes
-        defer = self.config.forward_tokens is TokenForwarding.OFF
-        return await self.pipeline.route(req, defer_tail=defer)
+        return await self.pipeline.route(req, defer_tail=True)
 
     def body_for(self, req: ParsedRequest, raw: bytes, routed: Routed) -> bytes:
         """What to send the backends: the client's body, with the prompt's token ids
-        where the pool's backends take them (``forward_tokens``)."""
+        where the pool's backends take them (``forward_tokens``) and the router has them
+        all (a long prompt no pod holds goes as text: ``RoutingPipeline``)."""
         form = self.config.forward_tokens
         if form is TokenForwarding.OFF or req.by_load or routed.prompt.partial:
             return raw

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvplane.router import tracing
 from kvplane.router.blockkeys import adapter_root, block_keys, chain_keys, generation_root
-from kvplane.router.config import BackendRole, RouterConfig
+from kvplane.router.config import BackendRole, RouterConfig, TokenForwarding
 from kvplane.router.cost import CostModel
 from kvplane.router.errors import APIError
 from kvplane.router.index.base import PrefixMatches, ResidencyIndex, deepest_held, lookup_or_none
@@ -152,6 +152,12 @@ class RoutingPipeline:
         self.root = generation_root(generation)
         # a LoRA adapter's requests key their blocks in the adapter's own namespace
         self.roots = {a: adapter_root(self.root, a) for a in config.model.lora_adapters}
+        # Backends that take the router's ids (forward_tokens) are sent them when the
+        # prompt is whole before it goes: a short tail is then encoded on the request's
+        # path, which spares the backend encoding the whole prompt. A long prompt no pod
+        # holds is still sent as text: the backend's encode of it costs no more than the
+        # router's, which also records it in the reuse cache.
+        self.defer_short_tails = config.forward_tokens is TokenForwarding.OFF
         self.cost = CostModel.of(config)
         self.policy = make_policy(config.policy, self.cost, config.policy_options)
         self.by_load = make_policy("least_loaded", self.cost)  # requests with no prompt
@@ -253,7 +259,7 @@ class RoutingPipeline:
         else:
             fits = len(prefix.ids) + prefix.max_tail_ids < limit
             short = DEFER_TAIL_CHARS < tail <= DEFER_MAX_TAIL_SHARE * len(text)
-            defer = defer_tail and fits and short
+            defer = defer_tail and self.defer_short_tails and fits and short
         if defer:
 
             def complete() -> Awaitable[tuple[list[int], list[int]]]:

@@ -17,7 +17,9 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
+from kvplane.router.app import build_router
 from kvplane.router.config import RouterConfig, TokenForwarding
+from kvplane.router.pipeline import DEFER_TAIL_CHARS, PROBE_PROMPT_CHARS
 from kvplane.router.request import parse_request
 from kvplane.router.token_forward import forwardable, with_token_ids
 from support.router_server import chat_tokenizer_dir, serve_router
@@ -66,6 +68,42 @@ def test_what_the_router_did_not_encode_from_text_goes_as_sent() -> None:
     assert not forwardable(parse_request(raw, "embeddings"))
     chat = _raw({"model": "m", "messages": [{"role": "user", "content": "x"}]})
     assert with_token_ids(TokenForwarding.OFF, parse_request(chat, "chat"), chat, [7]) is chat
+
+
+async def test_a_short_tail_is_encoded_up_front_and_a_long_prompt_held_nowhere_goes_as_text(
+    tmp_path: Path,
+) -> None:
+    """With ``forward_tokens``, a conversation's next turn (a cached prefix and a new
+    tail) is encoded whole before it goes, so that its ids can go with it; a long new
+    prompt no pod holds is still encoded after the answer and sent as text."""
+    tok = chat_tokenizer_dir(tmp_path / "tok")
+    for form, short_deferred in ((TokenForwarding.OFF, True), (DYNAMO, False)):
+        cfg = _config([{"name": "a", "url": "http://127.0.0.1:1"}], tok, None)
+        router = build_router(cfg.model_copy(update={"forward_tokens": form}))
+        router.pool.set_backends(cfg.backends)
+        try:
+            history = " ".join(f"turn {i}: what was said then." for i in range(200))
+            follow = history + " and now" + " a longer question" * (DEFER_TAIL_CHARS // 15)
+            assert DEFER_TAIL_CHARS < len(follow) - len(history) < len(follow) // 4
+            assert len(history) < PROBE_PROMPT_CHARS  # a first prompt the router encodes whole
+            for prompt, deferred in ((history, False), (follow, short_deferred)):
+                req = parse_request(_raw({"model": MODEL, "prompt": prompt}), "completions")
+                routed = await router.route(req)
+                assert routed.prompt.partial is deferred, (form, len(prompt))
+                sent = router.body_for(req, req_raw := _raw(req.body), routed)
+                if form is DYNAMO and not deferred:
+                    ids = msgspec.json.decode(sent)["nvext"]["token_data"]
+                    assert ids == router.tokenizer.encode(prompt, True)
+                else:
+                    assert sent is req_raw
+            new = "".join(f"fresh text {i}, " for i in range(1200))
+            assert len(new) > 2 * PROBE_PROMPT_CHARS
+            req = parse_request(_raw({"model": MODEL, "prompt": new}), "completions")
+            routed = await router.route(req)
+            assert routed.prompt.partial, form
+            assert router.body_for(req, raw := _raw(req.body), routed) is raw
+        finally:
+            router.tokenizer.close()
 
 
 def _config(backends: list[dict[str, object]], tok: Path, template: str | None) -> RouterConfig:
