@@ -155,8 +155,8 @@ class RoutingPipeline:
         # Backends that take the router's ids (forward_tokens) are sent them when the
         # prompt is whole before it goes: a short tail is then encoded on the request's
         # path, which spares the backend encoding the whole prompt. A long prompt no pod
-        # holds is still sent as text: the backend's encode of it costs no more than the
-        # router's, which also records it in the reuse cache.
+        # holds is still sent as text: Dynamo's frontend encodes it faster than the
+        # router, which also records it in the reuse cache.
         self.defer_short_tails = config.forward_tokens is TokenForwarding.OFF
         self.cost = CostModel.of(config)
         self.policy = make_policy(config.policy, self.cost, config.policy_options)
