@@ -553,7 +553,8 @@ class RouterConfig(_Strict):
         default=TokenForwarding.OFF,
         description="hand the backends the prompt's token ids so that they skip their own "
         "chat template and encode: off, or dynamo (nvext.token_data, for backends that are "
-        "Dynamo frontends). On, a prompt is encoded whole before it is routed",
+        "Dynamo frontends). On, a short new tail is encoded before the request goes, and a "
+        "long prompt no pod holds still goes as text (docs/router.md)",
     )
     pool: str = "default"
     pd: PDSpec | None = Field(

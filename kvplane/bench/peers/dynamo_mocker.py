@@ -231,8 +231,9 @@ class MockerFleet:
         self.direct_url = f"http://{HOST}:{peer.port}"
 
 
-# A port picked free can be taken before the mocker binds it (another process's
-# outgoing connection): the fleet is started again on other ports, this many times.
+# A port picked free can be taken before the mocker binds it (by another bind to a
+# random port, such as the other mockers' own sockets): the fleet is started again on
+# other ports, this many times.
 FLEET_ATTEMPTS: Final = 3
 _CLASH: Final = "Address already in use"
 
