@@ -182,7 +182,7 @@ class Router:
         where the pool's backends take them (``forward_tokens``) and the router has them
         all (a long prompt no pod holds goes as text: ``RoutingPipeline``)."""
         form = self.config.forward_tokens
-        if form is TokenForwarding.OFF or req.by_load or routed.prompt.partial:
+        if form is TokenForwarding.OFF or routed.prompt.partial:
             return raw
         return with_token_ids(form, req, raw, routed.prompt.tokens)
 

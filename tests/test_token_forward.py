@@ -22,15 +22,12 @@ from kvplane.router.config import RouterConfig, TokenForwarding
 from kvplane.router.pipeline import DEFER_TAIL_CHARS, PROBE_PROMPT_CHARS
 from kvplane.router.request import parse_request
 from kvplane.router.token_forward import forwardable, with_token_ids
+from support.mockers import direct_fleet
 from support.router_server import chat_tokenizer_dir, serve_router
-
-from kvplane.bench.peers import dynamo_mocker
-from kvplane.bench.peers.dynamo import ensure_dynamo
 
 pytestmark = pytest.mark.timeout(600)
 
 MODEL = "sim-llama-3.1-8b"
-HEADER = dynamo_mocker.WORKER_HEADER
 DYNAMO = TokenForwarding.DYNAMO
 
 
@@ -129,19 +126,8 @@ def _usage(r: httpx.Response) -> tuple[int, int]:
 
 
 def test_dynamos_frontend_serves_the_routers_ids(tmp_path: Path) -> None:
-    ensure_dynamo()
     tok = chat_tokenizer_dir(tmp_path / "tok")
-    spec = dynamo_mocker.MockerSpec(
-        model=MODEL,
-        tokenizer=tok,
-        block_size=64,
-        kv_blocks=2048,
-        max_num_batched_tokens=8192,
-        max_model_len=32768,
-        kv_bytes_per_token=131072,
-        time_scale=1.0,
-    )
-    fleet = dynamo_mocker.start_fleet(spec, 2, tmp_path, direct=True)
+    fleet = direct_fleet(MODEL, tok, tmp_path)
     try:
         backends: list[dict[str, object]] = [
             {"name": e.name, "url": e.url, "headers": dict(e.headers)} for e in fleet.endpoints
