@@ -1,8 +1,9 @@
 """Handing a backend the prompt's token ids the router already computed.
 
-The router renders and encodes every prompt to route it; an engine front end that
-accepts token ids then skips its own chat template and encode, so a prompt is encoded
-once on the way to the engine instead of twice. Each form is one entry of ``FORMS``:
+The router renders and encodes a prompt to route it; an engine front end that accepts
+token ids then skips its own chat template and encode for the requests whose ids the
+router has whole when they go (a long prompt no pod holds goes as text:
+``RoutingPipeline``). Each form is one entry of ``FORMS``:
 
 * ``dynamo``: Dynamo's frontend takes ``nvext.token_data`` in a chat or completion
   request as the prompt's ids in place of rendering and encoding it (with
@@ -21,7 +22,7 @@ import msgspec
 from kvplane.router.config import TokenForwarding
 from kvplane.router.request import ParsedRequest
 
-# the body again with the ids: a 100k-id prompt encodes in about a millisecond
+# the body again with the ids (msgspec: the ids of a long prompt are a long list)
 _encode: Final = msgspec.json.Encoder().encode
 
 
