@@ -145,6 +145,22 @@ def _default_tiers() -> dict[Tier, TierCost]:
     }
 
 
+class UnreportedTierSpec(_Strict):
+    """A tier below HBM that the engines fill without publishing KV events for it."""
+
+    tier: Tier = Field(description="the tier (not hbm)")
+    blocks: Annotated[int, Field(gt=0)] = Field(
+        description="its capacity per pod, in blocks of model.block_size"
+    )
+
+    @field_validator("tier")
+    @classmethod
+    def _below_hbm(cls, tier: Tier) -> Tier:
+        if tier is Tier.HBM:
+            raise ValueError("the unreported tier must be below hbm")
+        return tier
+
+
 class CostParams(_Strict):
     prefill_tokens_per_s: Annotated[float, Field(gt=0)] = 30000.0
     prefill_attention_ms_per_mpair: Annotated[float, Field(ge=0)] = Field(
@@ -555,6 +571,14 @@ class RouterConfig(_Strict):
         "chat template and encode: off, or dynamo (nvext.token_data, for backends that are "
         "Dynamo frontends). On, a short new tail is encoded before the request goes, and a "
         "long prompt no pod holds still goes as text (docs/router.md)",
+    )
+    unreported_tier: UnreportedTierSpec | None = Field(
+        default=None,
+        description="an offload tier the engines publish no KV events for (Dynamo's "
+        "mocker's host offload; LMCache in its multi-process mode, which reports no "
+        "removals): the index takes each pod to hold there its `blocks` most recently "
+        "stored blocks, as a write-through tier does, once they leave HBM "
+        "(docs/router.md). Leave it out where the engines report the tier",
     )
     pool: str = "default"
     pd: PDSpec | None = Field(

@@ -147,7 +147,12 @@ async def run_indexer(
     registry = CollectorRegistry()
     stores = SharedStores.of(config.shared_stores)
     writes = CountedWrites(with_shared_stores(index, stores), indexer_blocks(registry))
-    indexer = Indexer(writes, generation=generation, block_size=config.model.block_size)
+    indexer = Indexer(
+        writes,
+        generation=generation,
+        block_size=config.model.block_size,
+        unreported=config.unreported_tier,
+    )
     ownership = Ownership(index, owner, lease_s) if isinstance(index, RedisIndex) else None
     log.info("indexer %s (generation %s)", owner, generation)
     if metrics_port:

@@ -28,7 +28,10 @@ async def start(router: Router, discovery: Discovery, embed: bool) -> None:
     router.scraper = Scraper(router.pool, router.client, config.scrape_interval_s)
     if embed:
         router.indexer = Indexer(
-            router.index, generation=router.generation, block_size=config.model.block_size
+            router.index,
+            generation=router.generation,
+            block_size=config.model.block_size,
+            unreported=config.unreported_tier,
         )
         await router.indexer.start()
     watch = asyncio.create_task(_follow_discovery(router, discovery), name="discovery")

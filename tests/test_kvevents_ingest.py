@@ -14,9 +14,10 @@ from collections.abc import Sequence
 
 import pytest
 from kvplane.router.blockkeys import adapter_root, block_keys, generation_root
+from kvplane.router.config import UnreportedTierSpec
 from kvplane.router.index.base import Blocks, chunk_anchors, cumulative
 from kvplane.router.index.memory import MemoryIndex
-from kvplane.router.kvevents.ingest import IndexOp, Ingestor
+from kvplane.router.kvevents.ingest import IndexOp, Ingestor, write
 from kvplane.router.kvevents.model import (
     AllBlocksCleared,
     BlockRemoved,
@@ -25,6 +26,7 @@ from kvplane.router.kvevents.model import (
     KVEvent,
 )
 from kvplane.router.tiers import TIER_ORDER, Tier
+from pydantic import ValidationError
 
 GEN = "gen-test"
 BS = 4
@@ -326,6 +328,76 @@ async def test_rehash_with_other_tokens_withdraws_the_old_key(
     assert ingestor.stats.remapped == 1
     assert await prefix(index) == counts(0, 0, 0, 0)
     assert await prefix(index, block_keys([5] * BS, BS, generation_root(GEN))) == counts(1, 1, 1, 1)
+
+
+def unreported(blocks: int, index: MemoryIndex) -> Ingestor:
+    spec = UnreportedTierSpec(tier=Tier.DRAM, blocks=blocks)
+    return Ingestor(index, generation=GEN, block_size=BS, unreported=spec)
+
+
+async def test_an_unreported_tier_keeps_what_leaves_hbm_within_its_capacity(
+    index: MemoryIndex,
+) -> None:
+    """Engines that publish nothing for their host tier (Dynamo's mocker): a block that
+    leaves HBM is indexed in DRAM while it is among the pod's most recently stored, and
+    leaves DRAM when newer blocks push it out."""
+    ingestor = unreported(8, index)
+    await ingestor.apply("p", "i1", batch(stored(0, 6)))
+    assert await prefix(index) == counts(6, 6, 6, 6)
+    # one event for the step's evictions, as the decoder merges vLLM's one per block
+    ops = ingestor.plan("p", "i1", batch(BlockRemoved(EH, "GPU")))
+    assert ops == [
+        IndexOp("remove", H, KEYS, [KEYS[0]] * 6),
+        IndexOp("store", D, KEYS, [KEYS[0]] * 6),
+    ]
+    for op in ops:
+        await write(index, "p", "i1", op)
+    assert await prefix(index) == counts(0, 6, 6, 6)
+    assert ingestor.mapped_blocks("p") == 6  # still mapped: later events chain on them
+    # the oldest of them go once four newer blocks are stored (capacity 8)
+    other = [7] * (4 * BS)
+    await ingestor.apply("p", "i1", batch(BlockStored(engine_hashes(other), None, other, BS)))
+    assert await prefix(index) == counts(0, 0, 0, 0)
+    assert await prefix(index, KEYS[2:]) == counts(0, 4, 4, 4)
+    assert ingestor.mapped_blocks("p") == 4 + 4
+    # a block back in HBM (loaded from the tier) is in both, and the newest again
+    await ingestor.apply("p", "i1", batch(stored(2, 3)))
+    await ingestor.apply("p", "i1", batch(BlockStored(engine_hashes([8] * BS), None, [8] * BS, BS)))
+    assert await prefix(index, KEYS[2:]) == counts(1, 1, 1, 1)  # block 3 pushed out
+
+
+async def test_blocks_only_in_hbm_leave_the_unreported_tier_unindexed(index: MemoryIndex) -> None:
+    ingestor = unreported(4, index)
+    ops = ingestor.plan("p", "i1", batch(stored(0, 6)))  # 0 and 1 were never in DRAM
+    assert ops == [IndexOp("store", H, KEYS, [KEYS[0]] * 6)]
+    for op in ops:
+        await write(index, "p", "i1", op)
+    await ingestor.apply("p", "i1", batch(*(BlockRemoved([h], "GPU") for h in EH)))
+    assert await prefix(index) == counts(0, 0, 0, 0)
+    assert await prefix(index, KEYS[2:]) == counts(0, 4, 4, 4)
+    assert ingestor.mapped_blocks("p") == 4
+
+
+async def test_an_unreported_tier_outlives_a_prefix_cache_reset(index: MemoryIndex) -> None:
+    ingestor = unreported(8, index)
+    await ingestor.apply("p", "i1", batch(stored(0, 6)))
+    await ingestor.apply("p", "i1", batch(AllBlocksCleared()))
+    assert await prefix(index) == counts(0, 6, 6, 6)
+
+
+async def test_reported_stores_without_removals_are_bounded(index: MemoryIndex) -> None:
+    """LMCache in its multi-process mode reports what it stores but not what it drops:
+    the tier's capacity bounds what the index keeps of it."""
+    ingestor = unreported(4, index)
+    await ingestor.apply("p", "i1", batch(stored(0, 6, medium="CPU")))
+    assert await prefix(index) == counts(0, 0, 0, 0)
+    assert await prefix(index, KEYS[2:]) == counts(0, 4, 4, 4)
+    assert ingestor.mapped_blocks("p") == 4
+
+
+def test_the_unreported_tier_is_below_hbm() -> None:
+    with pytest.raises(ValidationError, match="below hbm"):
+        UnreportedTierSpec(tier=Tier.HBM, blocks=8)
 
 
 async def test_memory_index_agrees_with_reference_semantics() -> None:

@@ -20,6 +20,13 @@ are skipped.
 Every block also carries its chunk *anchor* (``index.base.Blocks``): the key of the
 first block of its ``CHUNK``, found from the parent's anchor and position in the chain.
 
+An *unreported tier* (``RouterConfig.unreported_tier``) is an offload tier the engines
+fill without events for it, or without its removals: Dynamo's mocker's host offload,
+LMCache in its multi-process mode. It is taken to be write-through with LRU eviction,
+as vLLM's own CPU offload is: a pod holds there the ``blocks`` blocks it most recently
+stored (in HBM, or in that tier where stores are reported). A block that leaves HBM
+while among them is indexed in that tier, and leaves it when newer blocks push it out.
+
 Planning (state changes, pure) and writing (index I/O) are separate: a batch
 becomes a short list of coalesced index operations, applied in order.
 """
@@ -31,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from kvplane.router.blockkeys import adapter_root, chain_keys, generation_root
+from kvplane.router.config import UnreportedTierSpec
 from kvplane.router.index.base import CHUNK, Blocks, ResidencyIndex
 from kvplane.router.kvevents.model import (
     AllBlocksCleared,
@@ -113,6 +121,8 @@ class PodChains:
     tiers: dict[int, int] = field(default_factory=dict)
     # blocks that left every tier (key, place), oldest first; never a hash ``keys`` holds
     recent: OrderedDict[int, tuple[int, int]] = field(default_factory=OrderedDict)
+    # what the unreported tier holds, oldest first: engine hashes of mapped blocks
+    unreported: OrderedDict[int, None] = field(default_factory=OrderedDict)
     full_logged: bool = False
 
     def key_of(self, engine_hash: int) -> int | None:
@@ -164,6 +174,7 @@ class Planner:
     stats: IngestStats
     pod: str = ""
     max_recent: int = DEFAULT_RECENT_PER_POD
+    unreported: UnreportedTierSpec | None = None
 
     def plan(self, chains: PodChains, events: Sequence[KVEvent]) -> list[IndexOp]:
         ops: list[IndexOp] = []
@@ -228,6 +239,7 @@ class Planner:
             accepted.append(key)
             anchors.append(place >> _OFFSET_BITS)
         _emit(ops, "store", tier, accepted, anchors)
+        self._written_through(chains, tier, ev.block_hashes[: len(accepted)], ops)
 
     def _placeholder(
         self, chains: PodChains, ev: BlockStored, tier: Tier, ops: list[IndexOp]
@@ -236,6 +248,7 @@ class Planner:
         bit = TIER_BIT[tier]
         accepted: list[int] = []
         anchors: list[int] = []
+        touched: list[int] = []
         for engine_hash in ev.block_hashes:
             found = chains.locate(engine_hash)
             if found is None:
@@ -251,9 +264,11 @@ class Planner:
             chains.tiers[engine_hash] = chains.tiers.get(engine_hash, 0) | bit
             accepted.append(key)
             anchors.append(_anchor(place))
+            touched.append(engine_hash)
         if len(accepted) < len(ev.block_hashes):
             self.stats.unmapped += 1
         _emit(ops, "store", tier, accepted, anchors)
+        self._written_through(chains, tier, touched, ops)
 
     def _removed(self, chains: PodChains, ev: BlockRemoved, ops: list[IndexOp]) -> None:
         self.stats.removed += ev.events
@@ -265,6 +280,11 @@ class Planner:
         gone: list[int] = []
         anchors: list[int] = []
         mapped, places, tiers = chains.keys, chains.places, chains.tiers
+        # blocks leaving HBM that the unreported tier holds: indexed there from now on
+        spec = self.unreported
+        kept_in = spec.tier if spec is not None and tier is Tier.HBM else None
+        held = chains.unreported
+        kept: list[int] = []
         unknown = 0
         for engine_hash in ev.block_hashes:
             mask = tiers.get(engine_hash, 0)
@@ -272,6 +292,9 @@ class Planner:
                 unknown += 1
                 continue
             mask &= ~bit
+            if kept_in is not None and engine_hash in held and not mask & TIER_BIT[kept_in]:
+                mask |= TIER_BIT[kept_in]
+                kept.append(engine_hash)
             if mask:
                 tiers[engine_hash] = mask
                 gone.append(mapped[engine_hash])
@@ -283,11 +306,53 @@ class Planner:
                 anchors.append(place >> _OFFSET_BITS)
         self.stats.removed_unknown += unknown
         _emit(ops, "remove", tier, gone, anchors)
+        if kept_in is not None:
+            self._store_known(chains, kept_in, kept, ops)
+
+    def _written_through(
+        self, chains: PodChains, tier: Tier, engine_hashes: Sequence[int], ops: list[IndexOp]
+    ) -> None:
+        """Stored blocks join the unreported tier as its newest (a write-through tier
+        takes whatever the engine stores); the oldest leave it beyond its capacity."""
+        spec = self.unreported
+        if spec is None or not engine_hashes or tier not in (Tier.HBM, spec.tier):
+            return
+        held = chains.unreported
+        for engine_hash in engine_hashes:
+            held[engine_hash] = None
+            held.move_to_end(engine_hash)
+        bit = TIER_BIT[spec.tier]
+        gone: list[int] = []
+        anchors: list[int] = []
+        while len(held) > spec.blocks:
+            engine_hash, _ = held.popitem(last=False)
+            mask = chains.tiers.get(engine_hash, 0)
+            if not mask & bit:
+                continue  # still in HBM only: nothing indexed in the tier to withdraw
+            if mask & ~bit:
+                chains.tiers[engine_hash] = mask & ~bit
+                key, place = chains.keys[engine_hash], chains.places[engine_hash]
+            else:
+                del chains.tiers[engine_hash]
+                key, place = self._retire(chains, engine_hash)
+            gone.append(key)
+            anchors.append(_anchor(place))
+        _emit(ops, "remove", spec.tier, gone, anchors)
+
+    @staticmethod
+    def _store_known(
+        chains: PodChains, tier: Tier, engine_hashes: Sequence[int], ops: list[IndexOp]
+    ) -> None:
+        """Index mapped blocks (their tier bit already set) in ``tier``."""
+        keys = [chains.keys[h] for h in engine_hashes]
+        anchors = [_anchor(chains.places[h]) for h in engine_hashes]
+        _emit(ops, "store", tier, keys, anchors)
 
     def _retire(self, chains: PodChains, engine_hash: int) -> tuple[int, int]:
         """Drop a block's mapping, but keep it for events still to name it (bounded
         LRU); returns its (key, place)."""
         gone = chains.keys.pop(engine_hash), chains.places.pop(engine_hash)
+        chains.unreported.pop(engine_hash, None)
         if self.max_recent > 0:
             recent = chains.recent
             recent[engine_hash] = gone  # new here: it was in ``keys`` until now
@@ -298,18 +363,27 @@ class Planner:
     def _cleared(self, chains: PodChains, ops: list[IndexOp]) -> None:
         """Prefix-cache reset: HBM only, offload tiers keep their blocks."""
         self.stats.cleared += 1
+        kept: list[int] = []
+        if self.unreported is not None:  # HBM's blocks the unreported tier holds stay there
+            bit = TIER_BIT[self.unreported.tier]
+            kept = [h for h in chains.unreported if not chains.tiers.get(h, 0) & bit]
+            for h in kept:
+                chains.tiers[h] = chains.tiers.get(h, 0) | bit
         keep = ~TIER_BIT[Tier.HBM]
         tiers = {h: m & keep for h, m in chains.tiers.items() if m & keep}
         for h in [h for h in chains.keys if h not in tiers]:
             self._retire(chains, h)
         chains.tiers = tiers
         _emit(ops, "clear", Tier.HBM, (), ())
+        if self.unreported is not None:
+            self._store_known(chains, self.unreported.tier, kept, ops)
 
     def _forget(self, chains: PodChains, engine_hash: int, ops: list[IndexOp]) -> None:
         """Withdraw an engine hash's old router key from every tier it was in."""
         key = chains.keys.pop(engine_hash)
         anchor = _anchor(chains.places.pop(engine_hash))
         mask = chains.tiers.pop(engine_hash, 0)
+        chains.unreported.pop(engine_hash, None)
         for tier, bit in TIER_BIT.items():
             if mask & bit:
                 _emit(ops, "remove", tier, [key], [anchor])
@@ -339,8 +413,10 @@ class Ingestor:
         block_size: int,
         max_blocks_per_pod: int = DEFAULT_MAX_BLOCKS_PER_POD,
         recent_per_pod: int = DEFAULT_RECENT_PER_POD,
+        unreported: UnreportedTierSpec | None = None,
     ) -> None:
         self.index = index
+        self._unreported = unreported
         self.block_size = block_size
         self.stats = IngestStats()
         self._root = generation_root(generation)
@@ -366,7 +442,13 @@ class Ingestor:
     def plan(self, pod: str, incarnation: str, batch: EventBatch) -> list[IndexOp]:
         """Update the mapping for ``batch`` and return the index writes it implies."""
         planner = Planner(
-            self._root, self.block_size, self._max_blocks, self.stats, pod, self._max_recent
+            self._root,
+            self.block_size,
+            self._max_blocks,
+            self.stats,
+            pod,
+            self._max_recent,
+            self._unreported,
         )
         self.stats.batches += 1
         return planner.plan(self.chains(pod, incarnation), batch.events)

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import zmq
 import zmq.asyncio
 from kvplane.router.backoff import Backoff
-from kvplane.router.config import Backend
+from kvplane.router.config import Backend, UnreportedTierSpec
 from kvplane.router.index.base import NotOwner, ResidencyIndex
 from kvplane.router.kvevents.ingest import DEFAULT_MAX_BLOCKS_PER_POD, Ingestor, IngestStats
 from kvplane.router.kvevents.subscriber import (
@@ -82,6 +82,7 @@ class Indexer:
         replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
         max_blocks_per_pod: int = DEFAULT_MAX_BLOCKS_PER_POD,
         new_incarnation: Callable[[], str] = new_incarnation_id,
+        unreported: UnreportedTierSpec | None = None,
     ) -> None:
         self.index = index
         self.ingestor = Ingestor(
@@ -89,6 +90,7 @@ class Indexer:
             generation=generation,
             block_size=block_size,
             max_blocks_per_pod=max_blocks_per_pod,
+            unreported=unreported,
         )
         self._initial = list(backends)
         self._ctx = context if context is not None else zmq.asyncio.Context.instance()

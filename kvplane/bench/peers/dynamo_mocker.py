@@ -172,12 +172,19 @@ class MockerFleet:
     @property
     def endpoints(self) -> list[EngineEndpoint]:
         """Each mocker as kvplane's router is told of it: the direct frontend's url with
-        the mocker's instance id, the mocker's events, and ids handed over as the
-        frontend takes them (``nvext.token_data``: it then renders and encodes nothing)."""
+        the mocker's instance id, the mocker's events, ids handed over as the
+        frontend takes them (``nvext.token_data``: it then renders and encodes nothing)
+        and the size of its host tier, which its events do not report."""
         ids = {name: str(wid) for wid, name in self.worker_names.items()}
         return [
             EngineEndpoint(
-                n, self.direct_url, k, r, {WORKER_HEADER: ids[n]} if n in ids else {}, "dynamo"
+                n,
+                self.direct_url,
+                k,
+                r,
+                {WORKER_HEADER: ids[n]} if n in ids else {},
+                "dynamo",
+                self.spec.host_blocks,
             )
             for n, k, r in zip(self.names, self.kv_events, self.replays, strict=True)
         ]
