@@ -163,6 +163,8 @@ def test_fleet_shapes_hold_the_same_cache_beyond_hbm() -> None:
     shapes = {name: fleet_shape(name, 8, 1000) for name in FLEET_SHAPES}
     assert shapes["hbm"].cpu_offload_blocks == 0 and shapes["hbm"].shared_kv is None
     assert shapes["hbm+dram"].cpu_offload_blocks == 1000
+    for name, events in (("hbm+dram-silent", "silent"), ("hbm+dram-inferred", "inferred")):
+        assert shapes[name].cpu_offload_blocks == 1000 and shapes[name].dram_events == events
     shared = shapes["hbm+shared"].shared_kv
     assert shared is not None and shared.store_blocks == 8000 and shared.peer_link is None
     peer = shapes["hbm+shared+peer"].shared_kv
@@ -229,6 +231,36 @@ def test_des_routes_on_the_shared_store_and_keys_every_event(
     pulls = rec.extra["peer_pulls"]
     assert pulls["same_node"] > pulls.get("same_zone", 0), pulls
     assert rec.extra["predicted_cached_tokens"] == rec.extra["reported_cached_tokens"]
+
+
+def test_des_infers_a_dram_tier_its_engines_do_not_report(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pods with a small HBM and their own DRAM tier, conversations that outgrow HBM:
+    with the tier's events the router sends each user's next turn back to the DRAM that
+    holds its history. With no events for the tier (Dynamo's mocker, to any router) it
+    sees only the system prompt everywhere and spreads the turns by load; told only the
+    tier's size (``unreported_tier``) it routes as with the events."""
+    profile = _small_hbm(monkeypatch)
+    # a user comes back after 20 s, when the router's own marks have expired; ten users
+    # on three pods, so that a turn spread by load lands on another pod than the last
+    wl = workloads.multi_round_qa(users=10, rounds=3, history_len=16000, qps=0.5)
+    recs, hits = {}, {}
+    for name in ("hbm+dram", "hbm+dram-silent", "hbm+dram-inferred"):
+        shape = fleet_shape(name, 3, 8000)
+        opts = des.DesOptions(
+            cpu_offload_blocks=shape.cpu_offload_blocks, dram_events=shape.dram_events
+        )
+        rec, results = des.run_des(
+            wl, "kvplane", engines=3, profile=profile, block_size=64, options=opts
+        )
+        assert rec.errors == 0 and len(results) == len(wl.requests)
+        assert rec.hit_ratio is not None
+        recs[name], hits[name] = rec, rec.hit_ratio
+    assert hits["hbm+dram-inferred"] > 0.9 * hits["hbm+dram"] > 2 * hits["hbm+dram-silent"]
+    predicted = {n: r.extra["predicted_cached_tokens"] for n, r in recs.items()}
+    assert predicted["hbm+dram-inferred"] > 0.9 * predicted["hbm+dram"]
+    assert predicted["hbm+dram-silent"] < 0.5 * predicted["hbm+dram"]
 
 
 def test_the_redis_index_decides_as_the_memory_index_with_a_shared_store(

@@ -353,7 +353,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--fleet-shape",
         default="",
         help="des: comma list of where the cache beyond HBM sits: hbm, hbm+dram (per pod), "
-        "hbm+shared (one store of the same total), hbm+shared+peer (and peer pulls)",
+        "hbm+dram-silent (its KV events unpublished), hbm+dram-inferred (unpublished, the "
+        "router told its size), hbm+shared (one store of the same total), hbm+shared+peer "
+        "(and peer pulls)",
     )
     p.add_argument(
         "--dram-tokens",
@@ -705,6 +707,7 @@ def _shaped(args: argparse.Namespace, base: DesOptions) -> list[tuple[str, DesOp
             base,
             cpu_offload_blocks=shape.cpu_offload_blocks,
             shared_kv=shape.shared_kv,
+            dram_events=shape.dram_events,
             notes=notes,
         )
         out.append((f"@{name}", opts))

@@ -35,6 +35,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Final
 
 from kvplane.router.blockkeys import block_keys, generation_root
@@ -46,6 +47,7 @@ from kvplane.router.config import (
     PeerPullSpec,
     SharedStoreSpec,
     TierCost,
+    UnreportedTierSpec,
 )
 from kvplane.router.cost import CostModel
 from kvplane.router.engine_stats import EngineStats as ScrapedStats
@@ -200,6 +202,16 @@ class _Clock:
         return self.now
 
 
+class DramEvents(StrEnum):
+    """What the router learns of the pods' DRAM tiers: their KV events (vLLM's CPU
+    offload reports them), nothing (Dynamo's mocker), or nothing but their size
+    (``RouterConfig.unreported_tier``)."""
+
+    REPORTED = "reported"
+    SILENT = "silent"
+    INFERRED = "inferred"
+
+
 @dataclass(slots=True)
 class DesOptions:
     scrape_interval_s: float = 0.5
@@ -214,6 +226,7 @@ class DesOptions:
     index_url: str | None = None
     shared_kv: SharedKV | None = None  # a fleet sharing KV (None: every pod on its own)
     cpu_offload_blocks: int | None = None  # each pod's DRAM tier (None: the profile's)
+    dram_events: DramEvents = DramEvents.REPORTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +324,15 @@ class _Sim:
                 mark_keys_ttl_s=24 * 3600.0,  # virtual time may run slower than the wall's
             )
         self.index: ResidencyIndex = with_shared_stores(self.backend, stores)
-        self.ingestor = Ingestor(self.index, generation=GENERATION, block_size=self.block_size)
+        unreported = (
+            UnreportedTierSpec(tier=Tier.DRAM, blocks=profile.cpu_offload_blocks)
+            if opts.dram_events is DramEvents.INFERRED and profile.cpu_offload_blocks
+            else None
+        )
+        self.ingestor = Ingestor(
+            self.index, generation=GENERATION, block_size=self.block_size, unreported=unreported
+        )
+        self.dram_reported = opts.dram_events is DramEvents.REPORTED
         self.root = generation_root(GENERATION)
         width = len(str(engines - 1))
         names = [f"e{i:0{width}d}" for i in range(engines)]
@@ -517,6 +538,8 @@ class _Sim:
             self.progress(len(self.results), len(self.workload.requests))
 
     async def _deliver(self, pod: str, events: Sequence[se.KVEvent], t: float) -> None:
+        if not self.dram_reported:
+            events = [ev for ev in events if getattr(ev, "medium", None) != se.MEDIUM_CPU]
         batch = rk.EventBatch(ts=t, events=router_events(events))
         cpu0 = time.process_time()
         await self.ingestor.apply(pod, "sim", batch)

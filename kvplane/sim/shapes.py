@@ -1,6 +1,9 @@
 """Fleet shapes: one fleet's KV cache beyond HBM held in different places.
 
-``hbm`` has none; ``hbm+dram`` gives each pod its own DRAM tier; ``hbm+shared`` puts
+``hbm`` has none; ``hbm+dram`` gives each pod its own DRAM tier, whose KV events the
+router reads (``hbm+dram-silent``: the engines publish none for it, as Dynamo's mocker;
+``hbm+dram-inferred``: none either, but the router is told the tier's size,
+``RouterConfig.unreported_tier``); ``hbm+shared`` puts
 the same total in one store every pod writes to and loads from; ``hbm+shared+peer``
 also lets pods pull a prefix from each other's HBM or DRAM. The links are the router's
 defaults for them: the remote tier's (``router/tiers.py``) for the store, the P/D
@@ -14,10 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Final
 
-from kvplane.sim.des import SharedKV
+from kvplane.sim.des import DramEvents, SharedKV
 from kvplane.sim.kvcache import Link
 
-FLEET_SHAPES: Final = ("hbm", "hbm+dram", "hbm+shared", "hbm+shared+peer")
+FLEET_SHAPES: Final = (
+    "hbm",
+    "hbm+dram",
+    "hbm+dram-silent",
+    "hbm+dram-inferred",
+    "hbm+shared",
+    "hbm+shared+peer",
+)
 STORE_LINK: Final = Link(bandwidth_gbps=25.0, latency_ms=1.0)
 PEER_LINK: Final = Link(bandwidth_gbps=40.0, latency_ms=0.2)
 NVLINK_LATENCY_MS: Final = 0.05  # the P/D same-node default's
@@ -28,6 +38,7 @@ class FleetShape:
     name: str
     cpu_offload_blocks: int  # each pod's own DRAM tier
     shared_kv: SharedKV | None  # the store and peer pulls
+    dram_events: DramEvents = DramEvents.REPORTED  # what the router learns of the DRAM tier
 
 
 def fleet_shape(
@@ -48,6 +59,10 @@ def fleet_shape(
         return FleetShape(name, 0, None)
     if name == "hbm+dram":
         return FleetShape(name, dram_blocks, None)
+    if name == "hbm+dram-silent":
+        return FleetShape(name, dram_blocks, None, DramEvents.SILENT)
+    if name == "hbm+dram-inferred":
+        return FleetShape(name, dram_blocks, None, DramEvents.INFERRED)
     if name == "hbm+shared":
         return FleetShape(name, 0, SharedKV(store, STORE_LINK, store_policy=store_policy))
     if name == "hbm+shared+peer":
