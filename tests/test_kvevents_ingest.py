@@ -360,6 +360,7 @@ async def test_an_unreported_tier_keeps_what_leaves_hbm_within_its_capacity(
     assert await prefix(index) == counts(0, 0, 0, 0)
     assert await prefix(index, KEYS[2:]) == counts(0, 4, 4, 4)
     assert ingestor.mapped_blocks("p") == 4 + 4
+    assert (ingestor.stats.unreported_kept, ingestor.stats.unreported_dropped) == (6, 2)
     # a block back in HBM (loaded from the tier) is in both, and the newest again
     await ingestor.apply("p", "i1", batch(stored(2, 3)))
     await ingestor.apply("p", "i1", batch(BlockStored(engine_hashes([8] * BS), None, [8] * BS, BS)))

@@ -94,6 +94,8 @@ class IngestStats:
     malformed: int = 0  # token count != blocks * block_size
     mapping_full: int = 0  # blocks not indexed because the pod's mapping hit its cap
     remapped: int = 0  # an engine hash re-stored with different tokens
+    unreported_kept: int = 0  # blocks indexed in the unreported tier as they left HBM
+    unreported_dropped: int = 0  # blocks its capacity took out of it in the index
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +309,7 @@ class Planner:
         self.stats.removed_unknown += unknown
         _emit(ops, "remove", tier, gone, anchors)
         if kept_in is not None:
+            self.stats.unreported_kept += len(kept)
             self._store_known(chains, kept_in, kept, ops)
 
     def _written_through(
@@ -337,6 +340,7 @@ class Planner:
                 key, place = self._retire(chains, engine_hash)
             gone.append(key)
             anchors.append(_anchor(place))
+        self.stats.unreported_dropped += len(gone)
         _emit(ops, "remove", spec.tier, gone, anchors)
 
     @staticmethod
@@ -376,6 +380,7 @@ class Planner:
         chains.tiers = tiers
         _emit(ops, "clear", Tier.HBM, (), ())
         if self.unreported is not None:
+            self.stats.unreported_kept += len(kept)
             self._store_known(chains, self.unreported.tier, kept, ops)
 
     def _forget(self, chains: PodChains, engine_hash: int, ops: list[IndexOp]) -> None:
