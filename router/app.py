@@ -150,7 +150,7 @@ class Router:
     metrics: RouterMetrics
     pipeline: RoutingPipeline
     proxy: Proxy
-    client: httpx.AsyncClient  # scrapes, /v1/models and the P/D legs; the proxy has its own
+    client: httpx.AsyncClient  # /v1/models and the P/D legs; proxy and scraper have their own
     gate: Gate
     header_policy: HeaderPolicy
     tasks: list[asyncio.Task[None]] = field(default_factory=list)

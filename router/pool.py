@@ -11,15 +11,15 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-import httpx
 from kvplane.router.backoff import Backoff
 from kvplane.router.config import Backend
 from kvplane.router.cost import PodLoad
 from kvplane.router.engine_stats import EngineStats, parse_metrics
 from kvplane.router.errors import describe
+from kvplane.router.forwarder import BackendUnavailable, Cause, Forwarder, ResponseBroken
 from kvplane.router.headers import backend_lines
 from kvplane.router.load import LoadCounters
 
@@ -181,13 +181,29 @@ class Pool:
         self.mean_request_tokens += 0.05 * (tokens - self.mean_request_tokens)
 
 
-class Scraper:
-    """Polls every backend's /health and /metrics on an interval."""
+def _timed_out(exc: BaseException) -> bool:
+    """A scrape that failed only by being slow (the backend is busy, not gone)."""
+    if isinstance(exc, BackendUnavailable):
+        return exc.cause is Cause.TIMEOUT
+    if isinstance(exc, ResponseBroken):
+        return exc.timed_out
+    return isinstance(exc, TimeoutError)
 
-    def __init__(self, pool: Pool, client: httpx.AsyncClient, interval_s: float) -> None:
+
+class Scraper:
+    """Polls every backend's /health and /metrics on an interval, with the proxy's kind
+    of HTTP client (``Forwarder.get``: a poll costs a fraction of httpx's CPU, and polls
+    count at two per pod per interval) but its own connections: a request the proxy
+    sends on a pooled connection that the backend then closes unanswered is sent again
+    on a fresh one (a stale keep-alive), so polls on the proxy's connections would have
+    a pod that drops requests take each of them twice."""
+
+    def __init__(self, pool: Pool, interval_s: float, connect_timeout_s: float) -> None:
         self._pool = pool
-        self._client = client
         self._interval = interval_s
+        self._timeout = max(2.0, 2 * interval_s)  # a scrape of one backend, at most
+        # one connection per backend: its two polls go one after the other
+        self._forwarder = Forwarder(connect_timeout_s, self._timeout, max_idle_per_backend=1)
         self._task: asyncio.Task[None] | None = None
 
     async def scrape_once(self) -> None:
@@ -198,39 +214,47 @@ class Scraper:
         state = self._pool.states.get(name)
         if state is None:
             return
-        url = state.backend.url.rstrip("/")
+        url = state.backend.url
         # A busy engine answers /metrics late; only a refused connection, a non-200
         # /health or SLOW_SCRAPES_UNHEALTHY slow scrapes in a row take it out of rotation.
-        timeout = max(2.0, 2 * self._interval)
+        timeout = self._timeout
         slow = False
         why = ""
+        metrics: tuple[int, bytes] | None = None
         try:
-            own = state.backend.headers
-            health = await self._client.get(f"{url}/health", headers=own, timeout=timeout)
-            ok = health.status_code == 200
-            why = f"/health answered {health.status_code}"
-            metrics = (
-                await self._client.get(f"{url}/metrics", headers=own, timeout=timeout)
-                if ok
-                else None
-            )
-        except httpx.TimeoutException:
-            ok, metrics, slow = True, None, True
-        except httpx.HTTPError as exc:
-            ok, metrics, why = False, None, f"/health failed: {describe(exc)}"
+            async with asyncio.timeout(timeout):
+                status, _ = await self._get(url, b"/health", state.header_lines)
+                ok = status == 200
+                why = f"/health answered {status}"
+                if ok:
+                    metrics = await self._get(url, b"/metrics", state.header_lines)
+        except (TimeoutError, BackendUnavailable, ResponseBroken, ValueError) as exc:
+            if _timed_out(exc):
+                ok, slow = True, True
+            else:
+                ok, why = False, f"/health failed: {describe(exc)}"
         if slow:
             state.slow_scrapes += 1
             ok = state.slow_scrapes < SLOW_SCRAPES_UNHEALTHY and state.healthy
             why = f"{state.slow_scrapes} scrapes in a row took over {timeout:g} s"
         else:
             state.slow_scrapes = 0
-        if ok and metrics is not None and metrics.status_code == 200:
-            state.observe(parse_metrics(metrics.text))
+        if ok and metrics is not None and metrics[0] == 200:
+            state.observe(parse_metrics(metrics[1].decode("utf-8", "replace")))
         if ok and not state.healthy:
             log.info("backend %s healthy again", name)
             state.healthy, state.unhealthy_since = True, None
         elif not ok:
             self._pool.mark_unhealthy(name, why)
+
+    async def _get(self, url: str, path: bytes, header_lines: bytes) -> tuple[int, bytes]:
+        """Status and body of ``GET url+path`` (each wait bounded by the scrape's
+        timeout, the whole by the caller)."""
+        resp = await self._forwarder.get(url, path, header_lines, self._timeout)
+        try:
+            return resp.status, await resp.read()
+        finally:
+            resp.release()
 
     async def _run(self) -> None:
         while True:
@@ -244,8 +268,13 @@ class Scraper:
         """Scrape every interval from now on; the caller has just run ``scrape_once``."""
         self._task = asyncio.create_task(self._run(), name="kvplane-scraper")
 
+    def retain(self, urls: Iterable[str]) -> None:
+        """Drops the connections of backends not in ``urls``."""
+        self._forwarder.retain(urls)
+
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._forwarder.close()

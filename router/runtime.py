@@ -25,7 +25,7 @@ async def start(router: Router, discovery: Discovery, embed: bool) -> None:
     ingest KV events in this process when ``embed``."""
     config = router.config
     await router.gate.start()
-    router.scraper = Scraper(router.pool, router.client, config.scrape_interval_s)
+    router.scraper = Scraper(router.pool, config.scrape_interval_s, config.connect_timeout_s)
     if embed:
         router.indexer = Indexer(
             router.index,
@@ -75,7 +75,10 @@ async def _follow_discovery(router: Router, discovery: Discovery) -> None:
 
 async def apply_backends(router: Router, backends: list[Backend]) -> None:
     _, removed = router.pool.set_backends(backends)
-    router.proxy.retain(s.backend.url for s in router.pool.states.values())
+    urls = [s.backend.url for s in router.pool.states.values()]
+    router.proxy.retain(urls)
+    if router.scraper is not None:
+        router.scraper.retain(urls)
     if router.indexer is not None:
         await router.indexer.set_backends(backends)
     for name in removed:  # nothing kept per pod outlives it
