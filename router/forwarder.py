@@ -244,21 +244,15 @@ class UpstreamResponse:
     the pool and closes any other (a half-read response cannot be reused).
     """
 
-    __slots__ = ("_bounded", "_conn", "_forwarder", "_origin", "_read_s", "_released")
+    __slots__ = ("_conn", "_forwarder", "_origin", "_read_s", "_released")
 
     def __init__(
-        self,
-        conn: _Connection,
-        origin: _Origin,
-        forwarder: Forwarder,
-        read_s: float,
-        bounded: bool = True,
+        self, conn: _Connection, origin: _Origin, forwarder: Forwarder, read_s: float
     ) -> None:
         self._conn = conn
         self._origin = origin
         self._forwarder = forwarder
         self._read_s = read_s
-        self._bounded = bounded  # holds one of the forwarder's in-flight slots
         self._released = False
 
     @property
@@ -316,8 +310,7 @@ class UpstreamResponse:
             self._origin.put(conn)
         else:
             conn.close()
-        if self._bounded:
-            self._forwarder._slots.release()
+        self._forwarder._slots.release()
 
 
 class _Origin:
@@ -359,12 +352,11 @@ class _Origin:
 
 
 class Forwarder:
-    """POSTs to backends over pooled keep-alive connections, and the router's own GETs
-    (health and metrics scrapes: ``Scraper``).
+    """POSTs (the proxy) and GETs (the scraper's polls, each with a forwarder of its
+    own) to backends over pooled keep-alive connections.
 
     ``max_inflight`` bounds responses open at once (each holds a connection); a
-    request beyond it waits, at most the read timeout, for one to end. GETs are outside
-    that bound: a router at it must still see its backends.
+    request beyond it waits, at most the read timeout, for one to end.
     """
 
     def __init__(
@@ -422,41 +414,23 @@ class Forwarder:
         :class:`BackendUnavailable` when no head arrives within ``head_timeout_s``
         (default: the read timeout).
         """
-        head_s = self.read_timeout_s if head_timeout_s is None else head_timeout_s
-        if self._slots.locked():
-            try:
-                await asyncio.wait_for(self._slots.acquire(), self.read_timeout_s)
-            except TimeoutError:
-                raise BackendUnavailable(
-                    "too many requests in flight to the backends", Cause.BUSY
-                ) from None
-        else:
-            await self._slots.acquire()
-        try:
-            length = b"content-length: %d\r\n" % len(body)
-            return await self._send(b"POST", url, path, header_lines + length, body, head_s)
-        except BaseException:
-            self._slots.release()
-            raise
+        length = b"content-length: %d\r\n" % len(body)
+        return await self._request(b"POST", url, path, header_lines + length, body, head_timeout_s)
 
-    async def get(
-        self, url: str, path: bytes, header_lines: bytes, timeout_s: float
-    ) -> UpstreamResponse:
-        """Sends ``GET url+path`` and returns once the response head is in, within
-        ``timeout_s``, as ``post`` does, but outside the in-flight bound; every wait for
-        a piece of the body is bounded by ``timeout_s`` too."""
-        return await self._send(b"GET", url, path, header_lines, b"", timeout_s, bounded=False)
+    async def get(self, url: str, path: bytes, header_lines: bytes) -> UpstreamResponse:
+        """Sends ``GET url+path`` and returns once the response head is in, as ``post``."""
+        return await self._request(b"GET", url, path, header_lines, b"", None)
 
-    async def _send(
+    async def _request(
         self,
         method: bytes,
         url: str,
         path: bytes,
         header_lines: bytes,
         body: bytes,
-        head_s: float,
-        bounded: bool = True,
+        head_timeout_s: float | None,
     ) -> UpstreamResponse:
+        head_s = self.read_timeout_s if head_timeout_s is None else head_timeout_s
         origin = self._origin(url)
         head = b"".join(
             (
@@ -472,27 +446,39 @@ class Forwarder:
             )
         )
         parts = [head, body] if body else [head]
-        read_s = self.read_timeout_s if bounded else head_s
-        for fresh in (False, True):
-            conn = None if fresh else origin.take_idle()
-            reused = conn is not None
-            if conn is None:
-                conn = await self._connect(origin)
+        if self._slots.locked():
             try:
-                await conn.send(parts, head_s)
-            except BackendUnavailable:
-                conn.active = False
-                stale = reused and conn.lost and not conn.got_bytes
-                conn.close()
-                if stale and not fresh:
-                    continue  # the backend had closed this idle connection
-                raise
-            except BaseException:
-                conn.active = False
-                conn.close()
-                raise
-            return UpstreamResponse(conn, origin, self, read_s, bounded)
-        raise BackendUnavailable("connection closed", Cause.CLOSED)  # pragma: no cover
+                await asyncio.wait_for(self._slots.acquire(), self.read_timeout_s)
+            except TimeoutError:
+                raise BackendUnavailable(
+                    "too many requests in flight to the backends", Cause.BUSY
+                ) from None
+        else:
+            await self._slots.acquire()
+        try:
+            for fresh in (False, True):
+                conn = None if fresh else origin.take_idle()
+                reused = conn is not None
+                if conn is None:
+                    conn = await self._connect(origin)
+                try:
+                    await conn.send(parts, head_s)
+                except BackendUnavailable:
+                    conn.active = False
+                    stale = reused and conn.lost and not conn.got_bytes
+                    conn.close()
+                    if stale and not fresh:
+                        continue  # the backend had closed this idle connection
+                    raise
+                except BaseException:
+                    conn.active = False
+                    conn.close()
+                    raise
+                return UpstreamResponse(conn, origin, self, self.read_timeout_s)
+            raise BackendUnavailable("connection closed", Cause.CLOSED)  # pragma: no cover
+        except BaseException:
+            self._slots.release()
+            raise
 
     def retain(self, urls: Iterable[str]) -> None:
         """Drops the pools of backends not in ``urls`` (pods that went away)."""

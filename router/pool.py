@@ -202,7 +202,8 @@ class Scraper:
         self._pool = pool
         self._interval = interval_s
         self._timeout = max(2.0, 2 * interval_s)  # a scrape of one backend, at most
-        # one connection per backend: its two polls go one after the other
+        # every wait for a poll's answer bounded by that; one connection per backend (its
+        # two polls go one after the other)
         self._forwarder = Forwarder(connect_timeout_s, self._timeout, max_idle_per_backend=1)
         self._task: asyncio.Task[None] | None = None
 
@@ -248,9 +249,8 @@ class Scraper:
             self._pool.mark_unhealthy(name, why)
 
     async def _get(self, url: str, path: bytes, header_lines: bytes) -> tuple[int, bytes]:
-        """Status and body of ``GET url+path`` (each wait bounded by the scrape's
-        timeout, the whole by the caller)."""
-        resp = await self._forwarder.get(url, path, header_lines, self._timeout)
+        """Status and body of ``GET url+path``."""
+        resp = await self._forwarder.get(url, path, header_lines)
         try:
             return resp.status, await resp.read()
         finally:
