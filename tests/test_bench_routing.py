@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from kvplane.router.config import CostParams
+from kvplane.router.config import CostParams, RouterConfig
 from kvplane.router.policies.cost import CostReason
 from pydantic import ValidationError
 
 from kvplane.bench import routing
-from kvplane.bench.routers import kvplane_config
+from kvplane.bench.routers import EngineEndpoint, kvplane_config
 from kvplane.bench.routing_report import SECTION, check_targets
 from kvplane.workload.results import CORE_KEYS, load_results
 
@@ -136,6 +136,25 @@ def test_kvplane_is_told_the_fleet_calibration_and_experiment_settings() -> None
     assert dram["tiers"] == {"dram": {"bandwidth_gbps": 50.0, "latency_ms": 0.05}}
     assert CostParams.model_validate(dram).recompute_weight == 4
     assert "tiers" not in cost("h100-llama-3.1-8b")
+
+
+def test_kvplane_is_told_a_host_tier_the_engines_do_not_report() -> None:
+    """Dynamo's mockers publish no events for their host tier: kvplane's router is told
+    its size (``unreported_tier``); engines that report theirs, or have none, get none."""
+    args = argparse.Namespace(profile="h100-llama-3.1-8b-dram", block_size=64)
+    facts = routing.model_facts(args, Path("tok"), None)
+
+    def told(*host_blocks: int) -> object:
+        engines = [
+            EngineEndpoint(f"e{i}", f"http://e{i}", "tcp://e:1", "tcp://e:2", {}, "off", n)
+            for i, n in enumerate(host_blocks)
+        ]
+        cfg = kvplane_config(facts, engines, "cost")
+        RouterConfig.model_validate(cfg)  # what the router is started with
+        return cfg.get("unreported_tier")
+
+    assert told(32000, 32000) == {"tier": "dram", "blocks": 32000}
+    assert told(0, 0) is None
 
 
 def test_des_cost_settings_are_validated_and_reported(tmp_path: Path) -> None:

@@ -50,7 +50,7 @@ class EngineEndpoint:
     replay: str
     headers: Mapping[str, str] = field(default_factory=dict)  # engines sharing one url
     token_ids: str = "off"  # how the url takes a prompt's ids (RouterConfig.forward_tokens)
-    silent_host_blocks: int = 0  # a host tier the engine publishes no KV events for
+    unreported_host_blocks: int = 0  # a host tier the engine publishes no KV events for
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +120,7 @@ def kvplane_config(
 def _unreported_tier(engines: Sequence[EngineEndpoint]) -> dict[str, object]:
     """Engines with a host tier they publish nothing for (Dynamo's mockers): the router
     is told its size, as an operator rendering that tier would."""
-    sizes = {e.silent_host_blocks for e in engines}
+    sizes = {e.unreported_host_blocks for e in engines}
     if len(sizes) != 1 or not (blocks := sizes.pop()):
         return {}
     return {"unreported_tier": {"tier": "dram", "blocks": blocks}}
