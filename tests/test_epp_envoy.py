@@ -205,8 +205,9 @@ def test_a_client_that_leaves_mid_stream_frees_its_pod(tokenizer_dir: Path, tmp_
         body = {"model": "tiny", "prompt": unique(30), "max_tokens": 2000, "stream": True}
         with httpx.stream("POST", f"{e.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
             assert r.status_code == 200
-            next(r.iter_raw())
-            assert sum(v[0] for v in pod_load(p).values()) == 1
+            first = next(r.iter_raw())
+            load = pod_load(p)  # what the stream began with says why, if this fails
+            assert sum(v[0] for v in load.values()) == 1, (load, first, sim_stats(slow))
         wait_idle(p)
         deadline = time.monotonic() + TIMEOUT
         while sim_stats(slow)["aborted"] != 1:
