@@ -414,8 +414,7 @@ class Forwarder:
         :class:`BackendUnavailable` when no head arrives within ``head_timeout_s``
         (default: the read timeout).
         """
-        length = b"content-length: %d\r\n" % len(body)
-        return await self._request(b"POST", url, path, header_lines + length, body, head_timeout_s)
+        return await self._request(b"POST", url, path, header_lines, body, head_timeout_s)
 
     async def get(self, url: str, path: bytes, header_lines: bytes) -> UpstreamResponse:
         """Sends ``GET url+path`` and returns once the response head is in, as ``post``."""
@@ -442,7 +441,7 @@ class Forwarder:
                 origin.host_line,
                 b"\r\n",
                 header_lines,
-                b"\r\n",
+                b"content-length: %d\r\n\r\n" % len(body) if method == b"POST" else b"\r\n",
             )
         )
         parts = [head, body] if body else [head]

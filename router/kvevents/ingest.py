@@ -286,6 +286,7 @@ class Planner:
         spec = self.unreported
         kept_in = spec.tier if spec is not None and tier is Tier.HBM else None
         held = chains.unreported
+        kept_bit = TIER_BIT[kept_in] if kept_in is not None else 0
         kept: list[int] = []
         unknown = 0
         for engine_hash in ev.block_hashes:
@@ -294,8 +295,8 @@ class Planner:
                 unknown += 1
                 continue
             mask &= ~bit
-            if kept_in is not None and engine_hash in held and not mask & TIER_BIT[kept_in]:
-                mask |= TIER_BIT[kept_in]
+            if kept_bit and engine_hash in held and not mask & kept_bit:
+                mask |= kept_bit
                 kept.append(engine_hash)
             if mask:
                 tiers[engine_hash] = mask
