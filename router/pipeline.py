@@ -36,14 +36,17 @@ from kvplane.router.tokens import CachedPrefix, ChatFormatError, PromptTokenizer
 DEFER_TAIL_CHARS = 1024
 DEFER_MAX_TAIL_SHARE = 0.25
 # A prompt longer than this whose cached prefix is not most of it is first encoded only
-# PROBE_CHARS beyond that prefix; when no pod holds the blocks up to where that encode
+# a piece beyond that prefix; when no pod holds the blocks up to where that encode
 # ends, its rest cannot extend any pod's match (block keys chain) and is encoded after
 # forwarding, like a short tail. A long prompt's encode is then off the request's path.
 # Any piece length is exact (a piece that ends inside what some pod holds only means the
-# whole prompt is encoded first); a shorter one costs less on the path while it still
-# reaches a block past the head many prompts share (a system prompt).
+# whole prompt is encoded first); a shorter one costs less on the path. Past a cached
+# prefix the piece reaches PROBE_BLOCKS blocks beyond it (the first block no pod holds
+# decides); with none, PROBE_CHARS, past a head many prompts share (a system prompt)
+# that this router has not seen.
 PROBE_PROMPT_CHARS = 8_192
 PROBE_CHARS = 4_096
+PROBE_BLOCKS = 2
 # Such a tail is deferred only while its estimated ids (the encoded part's characters per
 # id) times this stay within the context; a prompt nearer the limit is counted exactly.
 # An estimate that is still short leaves the refusal to the engine (the same 400).
@@ -280,15 +283,19 @@ class RoutingPipeline:
     async def _probe(
         self, text: str, special: bool, prefix: CachedPrefix | None, root: int
     ) -> tuple[CachedPrefix | None, PrefixMatches | None]:
-        """Encode ``PROBE_CHARS`` of ``text`` beyond its cached prefix (the piece joins
-        the reuse cache, which then gives the exact ids of ``text`` up to a segment
-        boundary in it) and ask the index which pods hold those blocks. Returns the
-        longer prefix and the index's answer for its keys; None for the answer when it
-        gave no longer prefix or the index cannot answer."""
+        """Encode a piece of ``text`` beyond its cached prefix (``PROBE_BLOCKS`` blocks
+        past it, or ``PROBE_CHARS`` from the start without one; the piece joins the
+        reuse cache, which then gives the exact ids of ``text`` up to a segment boundary
+        in it) and ask the index which pods hold those blocks. Returns the longer prefix
+        and the index's answer for its keys; None for the answer when it gave no longer
+        prefix or the index cannot answer."""
         tok = self.tokenizer
-        start = prefix.cut if prefix is not None else 0
-        piece = text[: start + PROBE_CHARS]
-        await tok.call(PROBE_CHARS, tok.encode, piece, special)
+        start, reach = 0, PROBE_CHARS
+        if prefix is not None:
+            block = self.config.model.block_size
+            start, reach = prefix.cut, min(reach, tok.reach(prefix, PROBE_BLOCKS * block))
+        piece = text[: start + reach]
+        await tok.call(reach, tok.encode, piece, special)
         longer = tok.cached_prefix(text, special)
         if longer is None or (prefix is not None and longer.cut <= prefix.cut):
             return prefix, None

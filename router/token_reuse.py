@@ -165,7 +165,7 @@ class PrefixTokenCache:
         self._prompts: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
         self._max_tokens = max_tokens
         self._tokens = 0
-        self._margin = max_added_token_chars + 2
+        self.margin = max_added_token_chars + 2  # characters a cut keeps from a chunk's end
         self._chunk = chunk
         self.hits = 0
         self.misses = 0
@@ -223,7 +223,7 @@ class PrefixTokenCache:
         for k, h in enumerate(hashes, start=1):
             if h in self._entries:
                 continue
-            limit = k * self._chunk - self._margin - base_chars
+            limit = k * self._chunk - self.margin - base_chars
             cut = _cut_before(spans, limit, text_len - base_chars)
             if cut is None:
                 continue

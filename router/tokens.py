@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from kvplane.router.token_reuse import PrefixTokenCache, chunk_hashes, reuse_is_exact
+from kvplane.router.token_reuse import CHUNK_CHARS, PrefixTokenCache, chunk_hashes, reuse_is_exact
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -201,6 +201,14 @@ class PromptTokenizer:
     def min_ids(self, chars: int) -> int:
         """A lower bound on the ids of any text of ``chars`` characters (0 if unknown)."""
         return -(-chars // self.max_chars_per_id) if self.max_chars_per_id else 0
+
+    def reach(self, prefix: CachedPrefix, ids: int) -> int:
+        """Characters past ``prefix`` to encode so that this cache then knows about
+        ``ids`` more ids of the text exactly: its exact ids end at a segment boundary
+        before the last whole chunk of what was encoded, and the prefix's own characters
+        per id estimate the rest."""
+        per_id = prefix.cut / max(1, len(prefix.ids) - prefix.opening)
+        return 2 * CHUNK_CHARS + self._cache.margin + math.ceil(ids * per_id)
 
     def can_reuse(self, add_special_tokens: bool) -> bool:
         """Whether prompts encoded so are cached and their prefixes reused."""

@@ -192,6 +192,40 @@ async def test_a_long_new_prompt_held_nowhere_is_encoded_only_as_far_as_the_prob
     router.tokenizer.close()
 
 
+async def test_past_a_cached_head_the_probe_encodes_a_few_blocks_beyond_it(
+    tokenizer_dir: Path,
+) -> None:
+    """A new conversation under a system prompt every pod holds: the probe encodes
+    PROBE_BLOCKS blocks past the head it knows, not PROBE_CHARS, which is enough to see
+    that no pod holds the history; the rest is encoded after forwarding, exactly."""
+    cfg = config(tokenizer_dir, [FakeEngine("e0", port=1)], 1 << 20)
+    router = build_router(cfg)
+    router.pool.set_backends(cfg.backends)
+    pipe = router.pipeline
+    full = router.tokenizer.hf.backend_tokenizer
+    rng = random.Random(31)
+    head = text(rng, 1_500)
+    head_ids = list(full.encode(head, add_special_tokens=True).ids)
+    await pipe.prompt(parse_request(body(head), "completions"))  # the head is cached
+    await router.index.mark_tentative(
+        "e0", Blocks.of_prompt(block_keys(head_ids, BLOCK, pipe.root)), 600.0
+    )
+    follow = head + long_new_prompt(32)
+    ids = list(full.encode(follow, add_special_tokens=True).ids)
+    keys = block_keys(ids, BLOCK, pipe.root)
+
+    prompt = await pipe.prompt(parse_request(body(follow), "completions"), defer_tail=True)
+    assert prompt.partial
+    known = len(prompt.tokens)
+    assert list(prompt.tokens) == ids[:known] and prompt.keys == keys[: known // BLOCK]
+    held = len(head_ids) // BLOCK
+    assert len(prompt.keys) > held, "the probe reaches a block past what the pod holds"
+    per_id = len(head) / len(head_ids)
+    assert (known - len(head_ids)) * per_id < PROBE_CHARS / 2, "a few blocks, not PROBE_CHARS"
+    assert await prompt.rest() == (ids, keys)
+    router.tokenizer.close()
+
+
 class CountedLookups(IndexWrapper):
     """Records the keys of every lookup (a spy on the real in-memory index)."""
 
