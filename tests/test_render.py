@@ -654,6 +654,25 @@ def test_a_remote_tier_is_a_shared_store_for_every_pod_of_the_pool() -> None:
     )
 
 
+def test_an_lmcache_cpu_tier_is_bounded_in_the_index_by_its_size() -> None:
+    """LMCache's in-process connector reports the chunks it stores in its CPU tier and
+    never the ones it evicts: the router and the indexer bound what they show there per
+    pod by capacityPerPod (RouterConfig.unreported_tier). Tiers that report their
+    evictions (vLLM's native offload, SGLang's HiCache) get no such bound."""
+    scenario = BY_NAME["vllm-lmcache-dram-nvme"]
+    spec = scenario.spec()
+    config = router_config(POOL, NAMESPACE, spec, scenario.tier_specs(), "g")
+    tier = RouterConfig.model_validate(config).unreported_tier
+    block_bytes = spec.model.kv_bytes() * spec.engine.block_size
+    assert tier is not None and tier.tier.value == "dram"
+    assert tier.blocks == 32 * 2**30 // block_bytes
+    for name in ("vllm-dram-native", "sglang-pd-hicache-mooncake", "vllm-aggregated"):
+        plain = BY_NAME[name]
+        assert "unreported_tier" not in router_config(
+            POOL, NAMESPACE, plain.spec(), plain.tier_specs(), "g"
+        )
+
+
 def test_router_config_reads_tiers_and_index() -> None:
     scenario = BY_NAME["vllm-pd-lmcache-mooncake-store"]
     config = router_config(POOL, NAMESPACE, scenario.spec(), scenario.tier_specs(), "g")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Final
 
 import yaml
-from kvplane.operator.api import InferencePoolSpec, KVCacheTierSpec, KVTransfer
+from kvplane.operator.api import InferencePoolSpec, KVCacheTierSpec, KVTransfer, TierBackend
 from kvplane.operator.render import k8s, names, stores
 from kvplane.operator.render.engines import adapter
 from kvplane.operator.render.names import Role
@@ -120,6 +120,7 @@ def router_config(
     if tier_costs:
         cost["tiers"] = tier_costs
     shared = shared_stores(plan.remote, ipool, store_pods)
+    unreported = unreported_tier(plan.dram, ipool)
     config: Json = {
         "pool": ipool_name,
         "model": {
@@ -146,6 +147,8 @@ def router_config(
     }
     if shared:
         config["shared_stores"] = shared
+    if unreported is not None:
+        config["unreported_tier"] = unreported
     if model.lora_adapters:  # requests naming one are this pool's, keyed apart
         config["model"]["lora_adapters"] = [a.name for a in model.lora_adapters]
     if ipool.tracing is not None:
@@ -175,13 +178,33 @@ def shared_stores(
     grows without bound."""
     if remote is None:
         return []
-    block_bytes = ipool.model.kv_bytes() * ipool.engine.block_size
-    per_pod = quantity_bytes(remote.capacity_per_pod) // block_bytes
-    if per_pod <= 0:  # unsized: room for one longest prompt per pod
-        per_pod = -(-(ipool.model.max_model_len or UNBOUNDED_MODEL_LEN) // ipool.engine.block_size)
+    per_pod = blocks_per_pod(remote, ipool)
     link = {"bandwidth_gbps": remote.bandwidth_gbps, "latency_ms": remote.latency_ms}
     name = f"{remote.tier.value}-{remote.backend.value}".lower()
     return [{"name": name, "link": link, "capacity_blocks": per_pod * max(1, store_pods)}]
+
+
+def unreported_tier(dram: KVCacheTierSpec | None, ipool: InferencePoolSpec) -> Json | None:
+    """LMCache's in-process connector (LMCacheConnectorV1, lmcache 0.5.6) reports the
+    chunks it stores in its CPU tier in chunks of its ``chunk_size`` tokens, which the
+    index cannot key by the engines' blocks, and none it evicts (its multi-process
+    connector reports both): the index infers that tier from HBM's events, as a
+    write-through tier with LRU eviction of ``capacityPerPod``
+    (``RouterConfig.unreported_tier``; with ``evictionPolicy: lfu`` an approximation)."""
+    if dram is None or dram.backend is not TierBackend.LMCACHE:
+        return None
+    return {"tier": dram.tier.value, "blocks": blocks_per_pod(dram, ipool)}
+
+
+def blocks_per_pod(tier: KVCacheTierSpec, ipool: InferencePoolSpec) -> int:
+    """A tier's ``capacityPerPod`` in blocks of the engines' block size; unsized, room
+    for one longest prompt (``maxModelLen``), so that the index never grows without
+    bound."""
+    block_bytes = ipool.model.kv_bytes() * ipool.engine.block_size
+    per_pod = quantity_bytes(tier.capacity_per_pod) // block_bytes
+    if per_pod > 0:
+        return per_pod
+    return -(-(ipool.model.max_model_len or UNBOUNDED_MODEL_LEN) // ipool.engine.block_size)
 
 
 def router_config_yaml(config: Json) -> str:
