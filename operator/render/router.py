@@ -185,12 +185,12 @@ def shared_stores(
 
 
 def unreported_tier(dram: KVCacheTierSpec | None, ipool: InferencePoolSpec) -> Json | None:
-    """LMCache's in-process connector (LMCacheConnectorV1, lmcache 0.5.6) reports the
-    chunks it stores in its CPU tier in chunks of its ``chunk_size`` tokens, which the
-    index cannot key by the engines' blocks, and none it evicts (its multi-process
-    connector reports both): the index infers that tier from HBM's events, as a
-    write-through tier with LRU eviction of ``capacityPerPod``
-    (``RouterConfig.unreported_tier``; with ``evictionPolicy: lfu`` an approximation)."""
+    """LMCache (0.5.6) reports what its CPU tier stores in chunks of its ``chunk_size``
+    tokens, which the index cannot key by the engines' blocks, and the in-process
+    connector the operator renders (LMCacheConnectorV1) reports no evictions: the index
+    infers that tier from HBM's events, as a write-through tier with LRU eviction of
+    ``capacityPerPod`` (``RouterConfig.unreported_tier``; with ``evictionPolicy: lfu``
+    an approximation)."""
     if dram is None or dram.backend is not TierBackend.LMCACHE:
         return None
     return {"tier": dram.tier.value, "blocks": blocks_per_pod(dram, ipool)}
