@@ -574,10 +574,11 @@ class RouterConfig(_Strict):
     )
     unreported_tier: UnreportedTierSpec | None = Field(
         default=None,
-        description="an offload tier the engines publish no KV events for (Dynamo's "
-        "mocker's host offload; LMCache in its multi-process mode, which reports no "
-        "removals): the index takes each pod to hold there its `blocks` most recently "
-        "stored blocks, as a write-through tier does, once they leave HBM "
+        description="an offload tier the engines publish no usable KV events for "
+        "(Dynamo's mocker's host offload; LMCache's CPU tier, reported in chunks of its "
+        "own size and, in-process, without removals): the index takes each pod to hold "
+        "there its `blocks` most recently stored blocks, as a write-through tier does, "
+        "once they leave HBM "
         "(docs/router.md). Leave it out where the engines report the tier",
     )
     pool: str = "default"

@@ -387,8 +387,8 @@ async def test_an_unreported_tier_outlives_a_prefix_cache_reset(index: MemoryInd
 
 
 async def test_reported_stores_without_removals_are_bounded(index: MemoryIndex) -> None:
-    """LMCache in its multi-process mode reports what it stores but not what it drops:
-    the tier's capacity bounds what the index keeps of it."""
+    """An engine that reports what a tier stores but not what it drops (LMCache's
+    in-process connector): the tier's capacity bounds what the index keeps of it."""
     ingestor = unreported(4, index)
     await ingestor.apply("p", "i1", batch(stored(0, 6, medium="CPU")))
     assert await prefix(index) == counts(0, 0, 0, 0)

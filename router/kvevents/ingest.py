@@ -21,8 +21,9 @@ Every block also carries its chunk *anchor* (``index.base.Blocks``): the key of 
 first block of its ``CHUNK``, found from the parent's anchor and position in the chain.
 
 An *unreported tier* (``RouterConfig.unreported_tier``) is an offload tier the engines
-fill without events for it, or without its removals: Dynamo's mocker's host offload,
-LMCache in its multi-process mode. It is taken to be write-through with LRU eviction,
+fill without events for it that can be keyed, or without its removals: Dynamo's mocker's
+host offload, LMCache's CPU tier (reported in chunks of its own size, no removals from
+its in-process connector). It is taken to be write-through with LRU eviction,
 as vLLM's own CPU offload is: a pod holds there the ``blocks`` blocks it most recently
 stored (in HBM, or in that tier where stores are reported). A block that leaves HBM
 while among them is indexed in that tier, and leaves it when newer blocks push it out.
