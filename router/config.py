@@ -578,8 +578,8 @@ class RouterConfig(_Strict):
         "(Dynamo's mocker's host offload; LMCache's CPU tier, reported in chunks of its "
         "own size and, in-process, without removals): the index takes each pod to hold "
         "there its `blocks` most recently stored blocks, as a write-through tier does, "
-        "once they leave HBM "
-        "(docs/router.md). Leave it out where the engines report the tier",
+        "once they leave HBM (docs/router.md). Leave it out where the engines report "
+        "the tier",
     )
     pool: str = "default"
     pd: PDSpec | None = Field(

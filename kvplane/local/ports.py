@@ -53,11 +53,13 @@ class _Chooser:
             for _ in range(len(self._gap)):
                 port = self._gap[self._next]
                 self._next = (self._next + 1) % len(self._gap)
-                sock = stack.enter_context(socket.socket())
+                sock = socket.socket()
                 try:
-                    sock.bind((host, port))  # held until all are found: distinct
+                    sock.bind((host, port))
                 except OSError:
+                    sock.close()
                     continue
+                stack.enter_context(sock)  # held until all are found: distinct
                 ports.append(port)
                 if len(ports) == count:
                     return ports
