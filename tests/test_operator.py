@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kopf.testing import KopfRunner
 from support.k8s_cluster import K8sCluster
 
@@ -341,7 +342,8 @@ def test_same_model_in_two_namespaces_keeps_separate_residency(
         assert pool is not None
         tags[ns] = pool["status"]["generationTag"]
         config = c.kubectl_json("get", "configmap", "llama-router", "-n", ns)["data"]
-        assert f"generation: {tags[ns]}" in config["router.yaml"]
+        # parsed, not matched as text: a tag of twelve decimal digits is dumped quoted
+        assert yaml.safe_load(config["router.yaml"])["model"]["generation"] == tags[ns]
     assert tags[k8s_namespace] != tags[other_namespace]
     r = redis_lib.Redis.from_url(redis_server.url)
     for tag in tags.values():

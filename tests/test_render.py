@@ -46,7 +46,7 @@ from kvplane.operator.render import (
     vllm_args,
 )
 from kvplane.operator.render import names as N
-from kvplane.operator.render.router import FETCH_TOKENIZER
+from kvplane.operator.render.router import FETCH_TOKENIZER, router_config_yaml
 from kvplane.router.config import RouterConfig
 
 from kvplane.types import Json
@@ -671,6 +671,17 @@ def test_an_lmcache_cpu_tier_is_bounded_in_the_index_by_its_size() -> None:
         assert "unreported_tier" not in router_config(
             POOL, NAMESPACE, plain.spec(), plain.tier_specs(), "g"
         )
+
+
+def test_a_generation_tag_of_decimal_digits_reaches_the_router_as_text() -> None:
+    """A 12-hex tag is all decimal digits about once in 280 pools: the router's YAML
+    carries it quoted, and the router reads the same string (not a number)."""
+    scenario = BY_NAME["vllm-aggregated"]
+    config = router_config(POOL, NAMESPACE, scenario.spec(), scenario.tier_specs(), "480296055396")
+    text = router_config_yaml(config)
+    assert "generation: '480296055396'" in text
+    loaded = RouterConfig.model_validate(yaml.safe_load(text))
+    assert loaded.model.generation == "480296055396"
 
 
 def test_router_config_reads_tiers_and_index() -> None:
