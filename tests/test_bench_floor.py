@@ -165,6 +165,8 @@ def test_dynamo_settings_are_documented_presets_in_the_router_name() -> None:
         "DYN_ROUTER_PREDICTED_TTL_SECS": "30",
     }
     assert DynamoSetting.parse("dynamo", "dynamo").env(6.0) == {}
+    scale = DynamoSetting.parse("dynamo-frontend-prefill4", "dynamo-frontend")
+    assert scale.env(6.0) == {"DYN_ROUTER_PREFILL_LOAD_SCALE": "4.0"}  # not in seconds
     with pytest.raises(ValueError, match="unknown Dynamo setting"):
         DynamoSetting.parse("dynamo-fast", "dynamo")
     assert is_selector_peer("dynamo-credit2") and not is_selector_peer("dynamo-frontend")

@@ -51,8 +51,9 @@ PRESETS: Final[dict[str, tuple[str, str, bool]]] = {
     # "Use --router-predicted-ttl-secs 5 when the workload fires bursts of sibling
     # requests with shared prefixes"
     "predict5": ("DYN_ROUTER_PREDICTED_TTL_SECS", "5", True),
-    # prompt-side load counts double against decode blocks
+    # prompt-side load counts double (four times) against decode blocks
     "prefill2": ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2.0", False),
+    "prefill4": ("DYN_ROUTER_PREFILL_LOAD_SCALE", "4.0", False),
     # softmax sampling over normalised costs instead of the deterministic minimum
     "temp05": ("DYN_ROUTER_TEMPERATURE", "0.5", False),
     # hold requests while every worker has more than 1 x max_num_batched_tokens of
