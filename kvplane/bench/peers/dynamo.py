@@ -51,7 +51,7 @@ PRESETS: Final[dict[str, tuple[str, str, bool]]] = {
     # "Use --router-predicted-ttl-secs 5 when the workload fires bursts of sibling
     # requests with shared prefixes"
     "predict5": ("DYN_ROUTER_PREDICTED_TTL_SECS", "5", True),
-    # prompt-side load counts double (four times) against decode blocks
+    # prompt-side load (after the overlap credits) counts 2 or 4 times against decode blocks
     "prefill2": ("DYN_ROUTER_PREFILL_LOAD_SCALE", "2.0", False),
     "prefill4": ("DYN_ROUTER_PREFILL_LOAD_SCALE", "4.0", False),
     # softmax sampling over normalised costs instead of the deterministic minimum
