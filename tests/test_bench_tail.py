@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvplane.bench import routing, tail
+from kvplane.workload.results import RequestResult
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,7 +35,8 @@ def _rows(out: str) -> list[list[str]]:
 
 def test_tail_of_a_shaped_workload(saved: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert tail.main([str(saved), *WORKLOAD, "--shape", SHAPE, "--percentile", "0"]) == 0
-    rows = _rows(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    rows = _rows(out)
     assert len(rows) == 12
     # 4 documents read 3 times each: 8 requests the oracle serves from cache, and at half
     # load the router serves them from where the first reading left them
@@ -43,6 +45,13 @@ def test_tail_of_a_shaped_workload(saved: Path, capsys: pytest.CaptureFixture[st
     assert all(int(r[2]) >= int(r[3]) - 64 for r in repeats)
     # the slowest are first readings: their own prefill is their TTFT
     assert rows[0][-1] == "long prompt" and int(rows[0][3]) < int(rows[0][1]) // 2
+    # what was in flight where each arrived: never fewer on its pod than the fewest
+    # anywhere, and the summary counts the arrivals that found an idle pod
+    flights = [(int(r[-3]), int(r[-2])) for r in rows]
+    assert all(least <= mine for mine, least in flights)
+    idle = sum(1 for _, least in flights if least == 0)
+    taken = sum(1 for mine, _ in flights if mine == 0)
+    assert f"{idle} arrived while a pod had nothing in flight, {taken} of them" in out
     # the same name and size without the run's shape is another workload, read wrongly
     assert tail.main([str(saved), *WORKLOAD, "--percentile", "0"]) == 0
     assert [r[3] for r in _rows(capsys.readouterr().out)] != [r[3] for r in rows]
@@ -79,3 +88,24 @@ def test_tail_in_the_time_of_the_run_it_reads(
     # without it, the same requests are read in the simulator's time
     assert tail.main(argv) == 0
     assert [r[4] for r in _rows(capsys.readouterr().out)] != [r[4] for r in rows]
+
+
+def test_in_flight_counts_from_arrival_to_last_token() -> None:
+    """A request is in flight on its pod from its arrival to its last token (its first
+    where it reports no end); the one arriving is not counted against itself."""
+
+    def done(pod: str, arrival: float, ttft: float, e2e: float | None) -> RequestResult:
+        return RequestResult("r", True, ttft_s=ttft, e2e_s=e2e, backend=pod, arrival_s=arrival)
+
+    flights = tail.InFlight(
+        [
+            done("a", 0.0, 0.1, 1.0),  # a: in flight over [0, 1)
+            done("a", 0.5, 0.1, 1.0),  # a: [0.5, 1.5)
+            done("b", 0.2, 0.3, None),  # b: [0.2, 0.5), no end reported
+            RequestResult("r", False, backend="b", arrival_s=0.3, error="x"),  # not counted
+        ]
+    )
+    assert flights.at("a", 0.7) == 2 and flights.at("b", 0.7) == 0
+    assert flights.at("a", 0.5, exclude_start=0.5) == 1  # itself, arriving
+    assert flights.at("b", 0.4) == 1 and flights.least(0.4) == 1
+    assert flights.least(1.2) == 0 and flights.at("a", 1.2) == 1

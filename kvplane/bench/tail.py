@@ -12,6 +12,10 @@ request's ideal floor (:mod:`kvplane.bench.floor`):
 - the prefill work pending on its pod when it arrived, and the least pending on any pod
   (reconstructed from the run: a request's uncached tokens are pending from its arrival
   to its first token);
+- the requests in flight on its pod when it arrived (from arrival to last token), and
+  the fewest on any pod: an engine with nothing in flight starts a prompt at once, one
+  with requests running finishes the step it is in first (the summary counts the
+  requests that found such an idle pod, and how many of them were sent to one);
 - the pod, with the router's stated reason for it where the router gives one
   (kvplane's ``x-kvplane-reason``: ``cache_hit``, ``load_balance``, ...).
 
@@ -61,6 +65,8 @@ class TailRequest:
     pending_tokens: int  # uncached prompt tokens pending on its pod when it arrived
     least_pending_tokens: int  # the least pending on any pod then
     cause: str
+    in_flight: int = 0  # requests in flight on its pod when it arrived (itself not counted)
+    least_in_flight: int = 0  # the fewest in flight on any pod then
     reason: str | None = None  # the router's stated reason for the pod, where it gave one
 
     @property
@@ -80,6 +86,8 @@ class TailRequest:
             "backend": self.backend,
             "pending_tokens": self.pending_tokens,
             "least_pending_tokens": self.least_pending_tokens,
+            "in_flight": self.in_flight,
+            "least_in_flight": self.least_in_flight,
             "cause": self.cause,
             "reason": self.reason,
         }
@@ -92,19 +100,34 @@ class PendingWork:
         self._by_pod: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
         for r in results:
             if r.ok and r.backend is not None and r.ttft_s is not None:
-                work = r.prompt_tokens - (r.cached_tokens or 0)
-                self._by_pod[r.backend].append((r.arrival_s, r.arrival_s + r.ttft_s, work))
+                self._by_pod[r.backend].append(self._span(r))
         for rows in self._by_pod.values():
             rows.sort()
         self._starts = {p: [s for s, _, _ in rows] for p, rows in self._by_pod.items()}
+
+    @staticmethod
+    def _span(r: RequestResult) -> tuple[float, float, int]:
+        return (
+            r.arrival_s,
+            r.arrival_s + (r.ttft_s or 0.0),
+            r.prompt_tokens - (r.cached_tokens or 0),
+        )
 
     def at(self, pod: str, t: float, exclude_start: float | None = None) -> int:
         rows = self._by_pod.get(pod, [])
         hi = bisect.bisect_left(self._starts.get(pod, []), t)
         return sum(w for s, e, w in rows[:hi] if e > t and s != exclude_start)
 
-    def least(self, t: float) -> int:
-        return min((self.at(p, t) for p in self._by_pod), default=0)
+    def least(self, t: float, exclude_start: float | None = None) -> int:
+        return min((self.at(p, t, exclude_start) for p in self._by_pod), default=0)
+
+
+class InFlight(PendingWork):
+    """Requests in flight on each pod over time (arrival to last token), one each."""
+
+    @staticmethod
+    def _span(r: RequestResult) -> tuple[float, float, int]:
+        return r.arrival_s, r.arrival_s + max(r.e2e_s or 0.0, r.ttft_s or 0.0), 1
 
 
 def classify(ttft_ms: float, own_ms: float, floor_ms: float, missed_ms: float, missed: int) -> str:
@@ -134,7 +157,7 @@ def tail(
         raise ValueError("results and workload do not match (different request counts)")
     index = {round(r.arrival_s, 6): i for i, r in enumerate(reqs)}
     cut = percentile([r.ttft_s or 0.0 for r in ok], q)
-    pending = PendingWork(ok)
+    pending, in_flight = PendingWork(ok), InFlight(ok)
     out: list[TailRequest] = []
     for r in ok:
         ttft = r.ttft_s or 0.0
@@ -168,6 +191,8 @@ def tail(
                     ttft_ms, own, fl.ttft_ms[i], missed_ms, missed if missed >= block_size else 0
                 ),
                 reason=r.reason,
+                in_flight=in_flight.at(r.backend, r.arrival_s, r.arrival_s) if r.backend else 0,
+                least_in_flight=in_flight.least(r.arrival_s, r.arrival_s),
             )
         )
     return sorted(out, key=lambda t: -t.ttft_ms)
@@ -175,9 +200,12 @@ def tail(
 
 def summary(rows: Sequence[TailRequest]) -> dict[str, Any]:
     causes = Counter(r.cause for r in rows)
+    idle = [r for r in rows if r.least_in_flight == 0]
     return {
         "requests": len(rows),
         "causes": dict(causes.most_common()),
+        "found_idle_pod": len(idle),
+        "sent_to_idle_pod": sum(1 for r in idle if r.in_flight == 0),
         "ttft_ms_from": round(min((r.ttft_ms for r in rows), default=0.0), 1),
         "own_share": round(
             sum(r.own_ms for r in rows) / max(sum(r.ttft_ms for r in rows), 1e-9), 3
@@ -190,18 +218,22 @@ def markdown(rows: Sequence[TailRequest], title: str) -> str:
     lines = [
         f"{title}: {s['requests']} requests from {s['ttft_ms_from']:.0f} ms; causes "
         + ", ".join(f"{k} {v}" for k, v in s["causes"].items())
-        + f"; their own prefill is {100 * s['own_share']:.0f}% of their TTFT.",
+        + f"; their own prefill is {100 * s['own_share']:.0f}% of their TTFT; "
+        f"{s['found_idle_pod']} arrived while a pod had nothing in flight, "
+        f"{s['sent_to_idle_pod']} of them were sent to such a pod.",
         "",
         "| TTFT ms | prompt | cached | oracle cached | floor ms | own prefill ms | wait ms "
-        "| pod | pending on pod (tok) | least pending (tok) | cause |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| pod | pending on pod (tok) | least pending (tok) | in flight on pod | least in "
+        "flight | cause |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.ttft_ms:.0f} | {r.prompt} | {r.cached} | {r.oracle_cached} | "
             f"{r.floor_ms:.0f} | {r.own_ms:.0f} | {r.wait_ms:.0f} | {r.backend}"
             f"{f' ({r.reason})' if r.reason else ''} | "
-            f"{r.pending_tokens} | {r.least_pending_tokens} | {r.cause} |"
+            f"{r.pending_tokens} | {r.least_pending_tokens} | {r.in_flight} | "
+            f"{r.least_in_flight} | {r.cause} |"
         )
     return "\n".join(lines) + "\n"
 
