@@ -106,6 +106,6 @@ def test_in_flight_counts_from_arrival_to_last_token() -> None:
         ]
     )
     assert flights.at("a", 0.7) == 2 and flights.at("b", 0.7) == 0
-    assert flights.at("a", 0.5, exclude_start=0.5) == 1  # itself, arriving
+    assert flights.at("a", 0.5) == 1  # only what arrived before: not the one arriving
     assert flights.at("b", 0.4) == 1 and flights.least(0.4) == 1
     assert flights.least(1.2) == 0 and flights.at("a", 1.2) == 1

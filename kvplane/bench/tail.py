@@ -113,13 +113,15 @@ class PendingWork:
             r.prompt_tokens - (r.cached_tokens or 0),
         )
 
-    def at(self, pod: str, t: float, exclude_start: float | None = None) -> int:
+    def at(self, pod: str, t: float) -> int:
+        """What the requests that arrived on ``pod`` before ``t`` still hold at ``t`` (one
+        arriving at ``t``, the request asked about among them, is not counted)."""
         rows = self._by_pod.get(pod, [])
         hi = bisect.bisect_left(self._starts.get(pod, []), t)
-        return sum(w for s, e, w in rows[:hi] if e > t and s != exclude_start)
+        return sum(w for _, e, w in rows[:hi] if e > t)
 
-    def least(self, t: float, exclude_start: float | None = None) -> int:
-        return min((self.at(p, t, exclude_start) for p in self._by_pod), default=0)
+    def least(self, t: float) -> int:
+        return min((self.at(p, t) for p in self._by_pod), default=0)
 
 
 class InFlight(PendingWork):
@@ -185,14 +187,14 @@ def tail(
                 floor_ms=fl.ttft_ms[i],
                 own_ms=own,
                 backend=r.backend,
-                pending_tokens=pending.at(r.backend, r.arrival_s, r.arrival_s) if r.backend else 0,
+                pending_tokens=pending.at(r.backend, r.arrival_s) if r.backend else 0,
                 least_pending_tokens=pending.least(r.arrival_s),
                 cause=classify(
                     ttft_ms, own, fl.ttft_ms[i], missed_ms, missed if missed >= block_size else 0
                 ),
                 reason=r.reason,
-                in_flight=in_flight.at(r.backend, r.arrival_s, r.arrival_s) if r.backend else 0,
-                least_in_flight=in_flight.least(r.arrival_s, r.arrival_s),
+                in_flight=in_flight.at(r.backend, r.arrival_s) if r.backend else 0,
+                least_in_flight=in_flight.least(r.arrival_s),
             )
         )
     return sorted(out, key=lambda t: -t.ttft_ms)
