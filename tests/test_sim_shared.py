@@ -183,6 +183,10 @@ def test_fleet_shapes_hold_the_same_cache_beyond_hbm() -> None:
         "hbm+shared+peer", 8, 1000, gpus_per_node=4, node_link=nvlink, placement_blind=True
     ).shared_kv
     assert blind is not None and blind.router_side()[1] == PeerPullSpec(link=spec.link)
+    oracle = shapes["hbm+oracle"].shared_kv
+    assert oracle is not None and oracle.write_through and oracle.peer_link is None
+    assert shapes["hbm+oracle"].cpu_offload_blocks == 0
+    assert oracle.store_link.load_ms(100_000, 131_072) < 1e-3  # loads take no time
     with pytest.raises(ValueError, match="unknown fleet shape"):
         fleet_shape("hbm+nvme", 8, 1000)
 
@@ -231,6 +235,27 @@ def test_des_routes_on_the_shared_store_and_keys_every_event(
     pulls = rec.extra["peer_pulls"]
     assert pulls["same_node"] > pulls.get("same_zone", 0), pulls
     assert rec.extra["predicted_cached_tokens"] == rec.extra["reported_cached_tokens"]
+
+
+def test_the_oracle_shape_reuses_what_any_pod_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pods whose HBM the conversations outgrow, over the unbounded store loaded at no
+    cost: every router reuses about what the oracle does (the blocks still being
+    computed when a request arrives are not there yet), and least-loaded, blind to
+    residency, reuses as much as kvplane."""
+    profile = _small_hbm(monkeypatch)
+    wl = chats()
+    opts = des.DesOptions(cpu_offload_blocks=0, shared_kv=fleet_shape("hbm+oracle", 3, 0).shared_kv)
+    hits = {}
+    for router in ("kvplane", "kvplane-least_loaded"):
+        rec, results = des.run_des(
+            wl, router, engines=3, profile=profile, block_size=64, options=opts
+        )
+        assert rec.errors == 0 and len(results) == len(wl.requests)
+        assert rec.hit_ratio is not None and rec.oracle_hit_ratio is not None
+        hits[router] = rec.hit_ratio
+        assert rec.hit_ratio >= 0.95 * rec.oracle_hit_ratio, (router, rec.hit_ratio)
+    alone = des.run_des(wl, "kvplane", engines=3, profile=profile, block_size=64)[0].hit_ratio
+    assert alone is not None and alone < 0.9 * hits["kvplane"]
 
 
 def test_des_infers_a_dram_tier_its_engines_do_not_report(

@@ -355,7 +355,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="des: comma list of where the cache beyond HBM sits: hbm, hbm+dram (per pod), "
         "hbm+dram-silent (its KV events unpublished), hbm+dram-inferred (unpublished, the "
         "router told its size), hbm+shared (one store of the same total), hbm+shared+peer "
-        "(and peer pulls)",
+        "(and peer pulls), hbm+oracle (every block any pod computed, loaded at no cost: "
+        "what the load costs at the oracle's reuse)",
     )
     p.add_argument(
         "--dram-tokens",

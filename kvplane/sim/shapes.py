@@ -10,6 +10,13 @@ defaults for them: the remote tier's (``router/tiers.py``) for the store, the P/
 same-zone link (``router/config.py``) for peer pulls. With ``gpus_per_node``, pods sit
 that many to a node and two pods of one node pull over ``node_link`` (NVLink); the
 router is told the pods' nodes and both links unless ``placement_blind``.
+
+``hbm+oracle`` is no fleet anyone can build: one store without a bound, every block
+written to it as it is computed and loaded from it at no cost, by every pod. Every pod
+then reuses whatever any pod has computed (the ideal floor's reuse, less the blocks still
+being computed when a request arrives), so a router's TTFT on it is what the load itself
+costs at that reuse: what is left of the gap to the ideal floor once the cache is
+perfect, which no placement of KV can win back.
 """
 
 from __future__ import annotations
@@ -27,10 +34,14 @@ FLEET_SHAPES: Final = (
     "hbm+dram-inferred",
     "hbm+shared",
     "hbm+shared+peer",
+    "hbm+oracle",
 )
 STORE_LINK: Final = Link(bandwidth_gbps=25.0, latency_ms=1.0)
 PEER_LINK: Final = Link(bandwidth_gbps=40.0, latency_ms=0.2)
 NVLINK_LATENCY_MS: Final = 0.05  # the P/D same-node default's
+# hbm+oracle: a store that never evicts within any run, and loads that take no time
+ORACLE_STORE_BLOCKS: Final = 1 << 40
+ORACLE_LINK: Final = Link(bandwidth_gbps=1e9, latency_ms=0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,5 +86,8 @@ def fleet_shape(
             peer_node_link=node_link if gpus_per_node > 0 else None,
             router_sees_nodes=not placement_blind,
         )
+        return FleetShape(name, 0, kv)
+    if name == "hbm+oracle":
+        kv = SharedKV(ORACLE_STORE_BLOCKS, ORACLE_LINK, write_through=True)
         return FleetShape(name, 0, kv)
     raise ValueError(f"unknown fleet shape {name!r} (known: {', '.join(FLEET_SHAPES)})")
