@@ -14,9 +14,9 @@ router is told the pods' nodes and both links unless ``placement_blind``.
 ``hbm+oracle`` is no fleet anyone can build: one store without a bound, every block
 written to it as it is computed and loaded from it at no cost, by every pod. Every pod
 then reuses whatever any pod has computed (the ideal floor's reuse, less the blocks still
-being computed when a request arrives), so a router's TTFT on it is what the load itself
-costs at that reuse: what is left of the gap to the ideal floor once the cache is
-perfect, which no placement of KV can win back.
+being computed when a request arrives), so a router's TTFT on it is what the load costs at
+that reuse: the gap to the ideal floor that is left once the cache is perfect (queueing,
+its balancing's share), against which a real shape's loss of reuse can be told apart.
 """
 
 from __future__ import annotations
