@@ -157,6 +157,76 @@ def test_kvplane_is_told_a_host_tier_the_engines_do_not_report() -> None:
     assert told(0, 0) is None
 
 
+def _http_args(*extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    routing.add_arguments(p)
+    return p.parse_args(["--engines", "4", *extra])
+
+
+def test_an_http_fleet_shape_reaches_the_simulator_and_kvplanes_router() -> None:
+    """Over HTTP one ``--fleet-shape`` becomes ``kvplane sim`` flags (the fleet's DRAM
+    tier, store and peer pulls) and what kvplane's router is told of it (the tier's
+    cost, the store as a shared store, the peer link), as the DES mode configures both."""
+    from kvplane.sim import main as sim_main
+    from kvplane.sim.kvcache import SIM_STORE
+
+    def shaped(*extra: str) -> tuple[Any, dict[str, Any]]:
+        args = _http_args(*extra)
+        facts = routing._http_shape(args, routing.model_facts(args, Path("tok")))
+        p = argparse.ArgumentParser()
+        sim_main.add_arguments(p)
+        fleet = sim_main.fleet_config(p.parse_args(["--tokenizer", "tok", *args.sim_flags]))
+        cfg = kvplane_config(facts, [], "cost")
+        RouterConfig.model_validate(cfg)  # what the router is started with
+        return fleet, cfg
+
+    fleet, cfg = shaped("--fleet-shape", "hbm+shared+peer")
+    assert fleet.store_blocks == 4 * 32000 and fleet.cpu_offload_blocks == 0
+    assert fleet.store_link.bandwidth_gbps == 25.0 and not fleet.store_write_through
+    assert fleet.peer_link is not None and fleet.peer_link.bandwidth_gbps == 40.0
+    assert cfg["shared_stores"] == [
+        {"name": SIM_STORE, "link": {"bandwidth_gbps": 25.0, "latency_ms": 1.0}}
+    ]
+    assert cfg["peer_pull"] == {"link": {"bandwidth_gbps": 40.0, "latency_ms": 0.2}}
+    assert "tiers" not in cast(dict[str, Any], cfg["cost"])
+    fleet, cfg = shaped("--fleet-shape", "hbm+dram", "--dram-tokens", "640000")
+    assert fleet.cpu_offload_blocks == 10000 and fleet.store_blocks == 0
+    assert "dram" in cast(dict[str, Any], cfg["cost"])["tiers"] and "shared_stores" not in cfg
+    # the HBM shape takes the DRAM profile's tier away, from the fleet and the router
+    fleet, cfg = shaped("--fleet-shape", "hbm", "--profile", "h100-llama-3.1-8b-dram")
+    assert fleet.cpu_offload_blocks == 0 and "tiers" not in cast(dict[str, Any], cfg["cost"])
+    fleet, _ = shaped("--fleet-shape", "hbm+oracle")
+    assert fleet.store_write_through and fleet.store_link.latency_ms == 0.0
+    # no shape: the fleet as the profile has it
+    args = _http_args()
+    assert routing._http_shape(args, routing.model_facts(args, Path("tok"))).fleet_kv == {}
+    assert args.sim_flags == []
+    for extra in (
+        ("--fleet-shape", "hbm,hbm+dram"),  # one fleet per HTTP run
+        ("--fleet-shape", "hbm+dram-silent"),  # the simulator always publishes its tier
+        ("--fleet-shape", "hbm+shared", "--fleet", "dynamo-mocker"),
+    ):
+        args = _http_args(*extra)
+        with pytest.raises(SystemExit):
+            routing._http_shape(args, routing.model_facts(args, Path("tok")))
+
+
+def test_http_run_on_the_oracle_fleet_reuses_what_any_pod_computed(tmp_path: Path) -> None:
+    """Least-loaded, blind to residency, over real HTTP engines: on the oracle fleet it
+    reuses what the oracle does (every block any engine computed is every engine's)."""
+    argv = ["--workloads", "gsp", "--routers", "kvplane-least_loaded", "--quick"]
+    argv += ["--limit", "24", "--time-scale", "1", "--rate-scale", "0.5", "--no-progress"]
+    argv += ["--fleet-shape", "hbm+oracle", "--out-dir", str(tmp_path)]
+    assert routing.main(argv) == 0
+    (row,) = _rows(tmp_path, "routing")
+    assert row["errors"] == 0 and row["requests"] == 24
+    # (all of it unless a sibling arrives while the first is still being computed; on
+    # HBM alone least-loaded captures about three quarters here)
+    hit, oracle = cast(float, row["hit_ratio"]), cast(float, row["oracle_hit_ratio"])
+    assert hit >= 0.9 * oracle, row
+    assert "fleet shapes hbm+oracle" in (tmp_path / "RESULTS.md").read_text()
+
+
 def test_des_cost_settings_are_validated_and_reported(tmp_path: Path) -> None:
     """``--cost-set`` goes through the router's own ``CostParams`` (a strict model)."""
     argv = ["--mode", "des", "--routers", "kvplane", "--limit", "64", "--engines", "2"]

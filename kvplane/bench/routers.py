@@ -69,6 +69,8 @@ class ModelFacts:
     cost_set: dict[str, Any] = field(default_factory=dict)  # cost overrides (experiments)
     max_num_batched_tokens: int = 8192  # the engines' scheduler budget (peers register it)
     kv_blocks: int = 0  # the engines' KV capacity in blocks (peers register it)
+    # the fleet's shared store and peer pulls, as router config keys (``--fleet-shape``)
+    fleet_kv: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -114,6 +116,7 @@ def kvplane_config(
         "scrape_interval_s": 0.5,
         "forward_tokens": _token_ids(engines),
         **_unreported_tier(engines),
+        **model.fleet_kv,
     }
 
 

@@ -211,7 +211,9 @@ def run_one(
     fleet: Fleet | dynamo_mocker.MockerFleet = (
         start_mocker_fleet(args, facts, rundir, direct=not dynamo.is_frontend_peer(router))
         if mockers
-        else start_fleet(args, facts.tokenizer, rundir, facts.block_size)
+        else start_fleet(
+            args, facts.tokenizer, rundir, facts.block_size, getattr(args, "sim_flags", ())
+        )
     )
     engines = fleet.engines if isinstance(fleet, Fleet) else fleet.endpoints
     opts = ReplayOptions()
@@ -352,7 +354,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--fleet-shape",
         default="",
-        help="des: comma list of where the cache beyond HBM sits: hbm, hbm+dram (per pod), "
+        help="where the cache beyond HBM sits (des: a comma list, rows labelled "
+        "router@shape; http: one shape of the simulated fleet): hbm, hbm+dram (per pod), "
         "hbm+dram-silent (its KV events unpublished), hbm+dram-inferred (unpublished, the "
         "router told its size), hbm+shared (one store of the same total), hbm+shared+peer "
         "(and peer pulls), hbm+oracle (every block any pod computed, loaded at no cost: "
@@ -545,6 +548,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs: list[dict[str, Any]] = []
     if args.mode == "des":
         return _run_des(args, builder, routers, sweep)
+    facts = _http_shape(args, facts)
     with tempfile.TemporaryDirectory(prefix="kvplane-bench-routing-") as tmp:
         rundir = Path(tmp)
         model = _floor_model(args, builder, facts, rundir)
@@ -584,6 +588,35 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     runs.append(_with_quantiles(out.record, out.results, factor))
                     _print_row(out.record)
     return _finish(args, runs)
+
+
+def _http_shape(args: argparse.Namespace, facts: ModelFacts) -> ModelFacts:
+    """The simulated fleet over HTTP in the one ``--fleet-shape`` asked for: its
+    ``kvplane sim`` flags (``args.sim_flags``) and what kvplane's router is told of it,
+    the DRAM tier's cost, the store and the peer pulls (as the discrete-event mode
+    configures the router for the same shape)."""
+    from kvplane.sim.des import cost_params_for
+    from kvplane.sim.profiles import PROFILES
+    from kvplane.sim.shapes import fleet_shape
+
+    args.sim_flags = []
+    names = csv_list(getattr(args, "fleet_shape", "") or "")
+    if not names:
+        return facts
+    if len(names) > 1 or args.fleet != "sim":
+        raise SystemExit("bench routing: over HTTP, --fleet-shape names one shape of --fleet sim")
+    dram_blocks = args.dram_tokens // args.block_size
+    try:
+        shape = fleet_shape(names[0], args.engines, dram_blocks, args.store_policy)
+        args.sim_flags = shape.sim_flags()
+    except ValueError as e:
+        raise SystemExit(f"bench routing: {e}") from None
+    dram = cost_params_for(PROFILES[args.profile]).tiers[Tier.DRAM]
+    return replace(
+        facts,
+        dram=dram if shape.cpu_offload_blocks else None,
+        fleet_kv=shape.router_settings(),
+    )
 
 
 def _factors(args: argparse.Namespace, sweep: Sequence[float]) -> list[float]:

@@ -27,7 +27,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from kvplane.sim.events import (
     LOCALITY_REMOTE,
@@ -118,6 +118,23 @@ class Link:
 
 
 SIM_STORE: Final = "sim-store"  # the shared store's name in a router's config
+
+
+def router_kv_settings(store: Link | None, peer: Link | None) -> dict[str, Any]:
+    """What a kvplane router config says of a simulated fleet's shared store and peer
+    pulls, as the operator renders a remote tier: the store as a ``shared_stores`` entry
+    at its link, peer pulls at theirs (nothing for what the fleet lacks)."""
+    doc: dict[str, Any] = {}
+    if store is not None:
+        link = {"bandwidth_gbps": store.bandwidth_gbps, "latency_ms": store.latency_ms}
+        doc["shared_stores"] = [{"name": SIM_STORE, "link": link}]
+    if peer is not None:
+        doc["peer_pull"] = {
+            "link": {"bandwidth_gbps": peer.bandwidth_gbps, "latency_ms": peer.latency_ms}
+        }
+    return doc
+
+
 STORE_POLICIES: Final = ("lru", "slru")
 # One traced store access: (True, blocks written) or (False, blocks a load looked up).
 StoreAccess = tuple[bool, tuple[bytes, ...]]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvplane.sim.fleet import CONNECTORS, ROLES, FleetConfig, SimFleet
-from kvplane.sim.kvcache import SIM_STORE, STORE_POLICIES, Link
+from kvplane.sim.kvcache import STORE_POLICIES, Link, router_kv_settings
 from kvplane.sim.profiles import PROFILES
 
 
@@ -168,15 +168,8 @@ def router_config_yaml(fleet: SimFleet) -> str:
     }
     if any(e.cfg.kv_role != "both" for e in fleet.engines):
         doc["pd"] = {"connector": fleet.cfg.kv_connector}
-    cfg = fleet.cfg
-    if fleet.store is not None:  # the store, as an operator renders a remote tier
-        link = {"bandwidth_gbps": cfg.store_link.bandwidth_gbps}
-        link["latency_ms"] = cfg.store_link.latency_ms
-        doc["shared_stores"] = [{"name": SIM_STORE, "link": link}]
-    if cfg.peer_link is not None:
-        peer = {"bandwidth_gbps": cfg.peer_link.bandwidth_gbps}
-        peer["latency_ms"] = cfg.peer_link.latency_ms
-        doc["peer_pull"] = {"link": peer}
+    store = fleet.cfg.store_link if fleet.store is not None else None
+    doc.update(router_kv_settings(store, fleet.cfg.peer_link))
     return str(yaml.safe_dump(doc, sort_keys=False))
 
 

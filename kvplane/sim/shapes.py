@@ -22,10 +22,10 @@ its balancing's share), against which a real shape's loss of reuse can be told a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from kvplane.sim.des import DramEvents, SharedKV
-from kvplane.sim.kvcache import Link
+from kvplane.sim.kvcache import Link, router_kv_settings
 
 FLEET_SHAPES: Final = (
     "hbm",
@@ -50,6 +50,34 @@ class FleetShape:
     cpu_offload_blocks: int  # each pod's own DRAM tier
     shared_kv: SharedKV | None  # the store and peer pulls
     dram_events: DramEvents = DramEvents.REPORTED  # what the router learns of the DRAM tier
+
+    def sim_flags(self) -> list[str]:
+        """The shape as ``kvplane sim`` flags: the HTTP fleet has the same DRAM tier,
+        store and peer pulls. Its engines always publish their DRAM tier's events, and
+        it does not place pods on nodes, so those shapes are the discrete-event mode's."""
+        kv = self.shared_kv
+        if self.dram_events is not DramEvents.REPORTED or (kv is not None and kv.pods_per_node):
+            raise ValueError(f"fleet shape {self.name!r} runs in the discrete-event mode only")
+        argv = ["--cpu-offload-blocks", str(self.cpu_offload_blocks)]
+        if kv is None:
+            return argv
+        if kv.store_blocks:
+            link = kv.store_link
+            argv += ["--store-blocks", str(kv.store_blocks), "--store-policy", kv.store_policy]
+            argv += ["--store-gbps", repr(link.bandwidth_gbps)]
+            argv += ["--store-latency-ms", repr(link.latency_ms)]
+            argv += ["--store-write-through"] if kv.write_through else []
+        if kv.peer_link is not None:
+            argv += ["--peer-gbps", repr(kv.peer_link.bandwidth_gbps)]
+            argv += ["--peer-latency-ms", repr(kv.peer_link.latency_ms)]
+        return argv
+
+    def router_settings(self) -> dict[str, Any]:
+        """What kvplane's router config says of the shape's store and peer pulls."""
+        kv = self.shared_kv
+        if kv is None:
+            return {}
+        return router_kv_settings(kv.store_link if kv.store_blocks else None, kv.peer_link)
 
 
 def fleet_shape(
