@@ -207,7 +207,10 @@ def test_a_client_that_leaves_mid_stream_frees_its_pod(tokenizer_dir: Path, tmp_
         body = {"model": "tiny", "prompt": unique(30), "max_tokens": 2000, "stream": True}
         with httpx.stream("POST", f"{e.url}/v1/completions", json=body, timeout=TIMEOUT) as r:
             assert r.status_code == 200
-            first = next(r.iter_raw())
+            # hold the iterator: a dropped one is closed at once, and with it the
+            # connection, which raced the count below against Envoy seeing the client go
+            chunks = r.iter_raw()
+            first = next(chunks)
             load = pod_load(p)  # what the stream began with says why, if this fails
             why = (load, first, sim_stats(slow), e.stats("http.gateway.ext_proc"))
             assert sum(v[0] for v in load.values()) == 1, (*why, e.log_tail(20_000))
